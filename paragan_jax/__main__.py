@@ -1,0 +1,17 @@
+"""``python -m paragan_jax <command>``."""
+
+import sys
+
+from tapas_jax.commands import dispatch
+
+COMMANDS = {
+    "train": ("paragan_jax.cli", "train a GAN from a preset (sync or async scheme)"),
+    "eval": ("paragan_jax.cli", "offline metrics of the latest checkpoint"),
+    "sample": ("paragan_jax.cli", "write a sample grid PNG from the latest checkpoint"),
+    "bench": ("paragan_jax.cli", "async against sync: steps/s and quality at equal time"),
+    "bench-pipeline": ("paragan_jax.scale_cli", "fixed vs adaptive input pipeline"),
+    "scaling": ("paragan_jax.scale_cli", "predicted step time and scaling efficiency at scale"),
+}
+
+if __name__ == "__main__":
+    sys.exit(dispatch("paragan_jax", COMMANDS, sys.argv[1:]))

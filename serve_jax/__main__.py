@@ -1,0 +1,15 @@
+"""``python -m serve_jax <command>``."""
+
+import sys
+
+from tapas_jax.commands import dispatch
+
+COMMANDS = {
+    "serve": ("serve_jax.cli", "start the OpenAI-style HTTP server"),
+    "replay": ("serve_jax.cli", "run the engine offline on a trace and report latency metrics"),
+    "bench": ("serve_jax.cli", "load generator: replay a trace against a running server"),
+    "simulate": ("serve_jax.simulate_cli", "compare preemption policies in the simulator"),
+}
+
+if __name__ == "__main__":
+    sys.exit(dispatch("serve_jax", COMMANDS, sys.argv[1:]))

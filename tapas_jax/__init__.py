@@ -1,0 +1,30 @@
+"""tapas_jax: the sharding layer of the stack.
+
+Meshes (`tapas_jax.mesh`), hardware profiles (`tapas_jax.hardware`), the collective cost model
+(`tapas_jax.collectives`) and typed configs (`tapas_jax.config`) used by every package.
+
+Public names are imported lazily, so ``python -m <package>`` can set up the simulated CPU devices
+(`tapas_jax.commands`) before jax is first imported.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "ConfigError": ".config",
+    "load_config": ".config",
+    "HardwareProfile": ".hardware",
+    "get_profile": ".hardware",
+    "collective_seconds": ".collectives",
+    "MeshSpecError": ".mesh",
+    "abstract_mesh": ".mesh",
+    "make_mesh": ".mesh",
+    "split_mesh": ".mesh",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module 'tapas_jax' has no attribute {name!r}")
