@@ -1,0 +1,327 @@
+"""Scheduler contract: chunked prefill, preemption by recompute and offload, block invariants.
+
+The executor here is a pure-Python page store: it writes each token id into the slot its block
+table names and derives the next token from the token ids it reads back through the table. A
+wrong table, a lost or early-reused page, or a bad offload/restore changes the output, so
+comparing with a straight (unpaged) generation checks the scheduler's bookkeeping end to end.
+Offload copies are performed at the end of the *next* step (as an asynchronous copy would land)
+and the source page is poisoned afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from serve_jax.kv_blocks import BlockAccountingError, BlockPool, KVBlockManager
+from serve_jax.scheduler import (
+    ExecutorOutput,
+    FcfsLastPolicy,
+    PreemptMode,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerOutput,
+    VictimPolicy,
+)
+
+VOCAB = 101
+POISON = -7
+
+
+def next_token(context: list[int]) -> int:
+    acc = len(context)
+    for i, t in enumerate(context):
+        acc = (acc * 31 + (i + 3) * t) % 1_000_003
+    return acc % VOCAB
+
+
+def reference(prompt: list[int], max_tokens: int, stop: frozenset[int] = frozenset()) -> list[int]:
+    ctx = list(prompt)
+    out = []
+    for _ in range(max_tokens):
+        t = next_token(ctx)
+        out.append(t)
+        ctx.append(t)
+        if t in stop:
+            break
+    return out
+
+
+class PageStoreExecutor:
+    def __init__(self, num_device: int, num_host: int, block_size: int):
+        self.bs = block_size
+        self.dev = [[POISON] * block_size for _ in range(num_device)]
+        self.host = [[POISON] * block_size for _ in range(max(num_host, 0))]
+        self.in_flight: list[tuple[int, int]] = []
+        self.steps = 0
+
+    def execute(self, so: SchedulerOutput) -> ExecutorOutput:
+        self.steps += 1
+        for h, d in so.restores:
+            self.dev[d] = list(self.host[h])
+            self.host[h] = [POISON] * self.bs
+        sampled = {}
+        for c in so.chunks:
+            table = so.block_tables[c.request_id]
+            assert len(c.token_ids) == c.num_tokens
+            for i, tok in enumerate(c.token_ids):
+                pos = c.start + i
+                self.dev[table[pos // self.bs]][pos % self.bs] = tok
+            if c.sample:
+                n = c.start + c.num_tokens
+                ctx = [self.dev[table[p // self.bs]][p % self.bs] for p in range(n)]
+                assert POISON not in ctx, f"{c.request_id} read a poisoned page"
+                sampled[c.request_id] = next_token(ctx)
+        # Copies issued last step land now, after this step's compute.
+        done = self.in_flight
+        for d, h in done:
+            self.host[h] = list(self.dev[d])
+            self.dev[d] = [POISON] * self.bs
+        self.in_flight = list(so.offloads)
+        return ExecutorOutput(
+            sampled=sampled, completed_offloads=done, completed_restores=list(so.restores)
+        )
+
+
+class RandomPolicy(VictimPolicy):
+    """Any policy must be safe: random victims, random modes."""
+
+    name = "random"
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.admitted = 0
+        self.finished = 0
+
+    def select_victims(self, view):
+        k = self.rng.randint(1, min(2, len(view.running)))
+        victims = self.rng.sample(list(view.running), k)
+        return [(v, self.rng.choice(list(PreemptMode))) for v in victims]
+
+    def on_admitted(self, req, now):
+        self.admitted += 1
+
+    def on_finished(self, req, now):
+        self.finished += 1
+
+
+def drive(sched, ex, arrivals, abort_at=(), max_steps=5000):
+    """Runs to completion; arrivals: {step: [Request]}; returns finished requests by id."""
+    finished = {}
+    by_id = {}
+    step = 0
+    while step < max_steps:
+        now = float(step)
+        for req in arrivals.get(step, []):
+            sched.add_request(req)
+            by_id[req.request_id] = req
+        for rid in [a for (s, a) in abort_at if s == step]:
+            sched.finish_request(rid, RequestStatus.FINISHED_ABORTED, now)
+        if not sched.has_work() and step > max(arrivals, default=0):
+            break
+        so = sched.schedule(now)
+        assert so.num_scheduled_tokens <= sched.max_num_batched_tokens
+        assert len({c.request_id for c in so.chunks}) == len(so.chunks)
+        sched.check_invariants()
+        res = ex.execute(so)
+        for ev in sched.update_from_output(so, res, now + 0.5):
+            if ev.finished:
+                finished[ev.request_id] = by_id[ev.request_id]
+        sched.check_invariants()
+        step += 1
+    assert step < max_steps, "scheduler made no progress"
+    return finished, by_id
+
+
+def make_requests(rng, n, max_prompt, max_out, stop_prob=0.0):
+    arrivals = {}
+    for i in range(n):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, max_prompt))]
+        stop = frozenset({rng.randrange(VOCAB)}) if rng.random() < stop_prob else frozenset()
+        req = Request(f"r{i}", prompt, rng.randint(1, max_out), 0.0, stop_token_ids=stop)
+        arrivals.setdefault(rng.randint(0, 2 * n), []).append(req)
+    return arrivals
+
+
+def test_no_preemption_matches_reference():
+    sched = Scheduler(64, 0, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
+    ex = PageStoreExecutor(64, 0, 4)
+    rng = random.Random(0)
+    arrivals = make_requests(rng, 6, 20, 10)
+    finished, by_id = drive(sched, ex, arrivals)
+    assert set(finished) == set(by_id)
+    for rid, req in by_id.items():
+        assert req.output_token_ids == reference(req.prompt_token_ids, req.max_tokens)
+        assert req.status == RequestStatus.FINISHED_LENGTH
+        assert req.num_preemptions == 0
+    sched.blocks.assert_all_free()
+    assert sched.num_preemptions == 0
+
+
+def test_chunked_prefill_respects_budget_and_time_is_passed_in():
+    sched = Scheduler(32, 0, block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    req = Request("long", list(range(1, 30)), 3, arrival_time=10.0)
+    sched.add_request(req)
+    ex = PageStoreExecutor(32, 0, 4)
+    sizes = []
+    t = 100.0
+    while sched.has_work():
+        so = sched.schedule(t)
+        sizes.append([c.num_tokens for c in so.chunks])
+        sched.update_from_output(so, ex.execute(so), t + 1)
+        t += 10
+    assert sizes[:4] == [[8], [8], [8], [5]]  # 29 prompt tokens in chunks of 8
+    assert req.output_token_ids == reference(req.prompt_token_ids, 3)
+    assert req.first_scheduled_time == 100.0
+    assert req.first_token_time == 131.0
+    assert req.token_times == [131.0, 141.0, 151.0]
+
+
+@pytest.mark.parametrize("mode", [PreemptMode.RECOMPUTE, PreemptMode.OFFLOAD])
+def test_fcfs_last_preempts_most_recent_and_outputs_survive(mode):
+    bs = 2
+    sched = Scheduler(
+        8, 16, block_size=bs, max_num_seqs=4, max_num_batched_tokens=16, policy=FcfsLastPolicy(mode)
+    )
+    ex = PageStoreExecutor(8, 16, bs)
+    a = Request("a", [1, 2, 3], 8, 0.0)
+    b = Request("b", [4, 5, 6], 8, 0.0)
+    finished, _ = drive(sched, ex, {0: [a], 1: [b]})
+    assert set(finished) == {"a", "b"}
+    assert a.output_token_ids == reference(a.prompt_token_ids, 8)
+    assert b.output_token_ids == reference(b.prompt_token_ids, 8)
+    # 3+8 tokens each need 6 blocks of 2; 8 blocks hold only one: b (admitted last) is the victim.
+    assert a.num_preemptions == 0 and b.num_preemptions >= 1
+    assert sched.num_offload_preemptions == (b.num_preemptions if mode.value == "offload" else 0)
+    assert len(b.resume_times) == b.num_preemptions
+    sched.blocks.assert_all_free()
+
+
+def test_recompute_victim_goes_to_front_of_waiting():
+    sched = Scheduler(6, 0, block_size=2, max_num_seqs=4, max_num_batched_tokens=16)
+    a = Request("a", [1, 2, 3, 4], 6, 0.0)
+    b = Request("b", [5, 6], 6, 0.0)
+    c = Request("c", [7] * 10, 1, 0.0)  # too big to admit while a and b run
+    for r in (a, b, c):
+        sched.add_request(r)
+    ex = PageStoreExecutor(6, 0, 2)
+    for step in range(20):
+        so = sched.schedule(float(step))
+        if so.preemptions:
+            assert so.preemptions == [("b", PreemptMode.RECOMPUTE)]
+            assert list(sched.waiting)[:2] == [b, c]
+            assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+            break
+        sched.update_from_output(so, ex.execute(so), float(step))
+    else:
+        pytest.fail("no preemption happened")
+
+
+def test_offload_falls_back_to_recompute_without_host_blocks():
+    sched = Scheduler(
+        8, 0, block_size=2, max_num_seqs=4, policy=FcfsLastPolicy(PreemptMode.OFFLOAD)
+    )
+    ex = PageStoreExecutor(8, 0, 2)
+    a = Request("a", [1, 2, 3], 8, 0.0)
+    b = Request("b", [4, 5, 6], 8, 0.0)
+    drive(sched, ex, {0: [a], 1: [b]})
+    assert sched.num_preemptions >= 1 and sched.num_offload_preemptions == 0
+    assert b.output_token_ids == reference(b.prompt_token_ids, 8)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_randomized_invariants_and_outputs(seed):
+    rng = random.Random(seed)
+    bs = rng.choice([1, 2, 4])
+    num_dev = rng.randint(12, 24) // bs * 1 + 6
+    num_host = rng.choice([0, 4, 40])
+    policy = rng.choice(
+        [FcfsLastPolicy(), FcfsLastPolicy(PreemptMode.OFFLOAD), RandomPolicy(seed)]
+    )
+    sched = Scheduler(
+        num_dev,
+        num_host,
+        block_size=bs,
+        max_num_seqs=rng.randint(1, 6),
+        max_num_batched_tokens=rng.randint(4, 24),
+        policy=policy,
+    )
+    cap = num_dev * bs
+    arrivals = make_requests(rng, 10, max(1, cap // 3), max(1, cap // 3), stop_prob=0.3)
+    aborts = []
+    ids = [r.request_id for rs in arrivals.values() for r in rs]
+    for rid in rng.sample(ids, 2):
+        aborts.append((rng.randint(0, 30), rid))
+    ex = PageStoreExecutor(num_dev, num_host, bs)
+    finished, by_id = drive(sched, ex, arrivals, abort_at=aborts)
+    aborted = {rid for _, rid in aborts}
+    for rid, req in by_id.items():
+        if rid in finished:
+            want = reference(req.prompt_token_ids, req.max_tokens, req.stop_token_ids)
+            assert req.output_token_ids == want, (rid, req.num_preemptions)
+        else:
+            assert rid in aborted and req.status == RequestStatus.FINISHED_ABORTED
+    sched.blocks.assert_all_free()
+    assert not sched.has_work()
+    if isinstance(policy, RandomPolicy):
+        assert policy.finished == len(by_id)
+
+
+def test_policy_choosing_non_running_request_is_an_error():
+    class Bad(VictimPolicy):
+        name = "bad"
+
+        def select_victims(self, view):
+            return [(view.waiting[0] if view.waiting else view.running[0], PreemptMode.RECOMPUTE)]
+
+    sched = Scheduler(4, 0, block_size=2, max_num_seqs=4, policy=Bad())
+    ex = PageStoreExecutor(4, 0, 2)
+    sched.add_request(Request("a", [1, 2, 3], 5, 0.0))
+    sched.add_request(Request("b", [1], 5, 0.0))
+    sched.add_request(Request("c", [1, 2, 3, 4, 5, 6, 7], 1, 0.0))
+    with pytest.raises(ValueError, match="not running"):
+        for step in range(20):
+            so = sched.schedule(float(step))
+            sched.update_from_output(so, ex.execute(so), float(step))
+
+
+def test_bad_requests_are_rejected_with_reasons():
+    sched = Scheduler(4, 0, block_size=2)
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add_request(Request("x", [1] * 6, 3, 0.0))
+    with pytest.raises(ValueError, match="empty prompt"):
+        Request("y", [], 3, 0.0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        Request("z", [1], 0, 0.0)
+    sched.add_request(Request("ok", [1], 1, 0.0))
+    with pytest.raises(ValueError, match="duplicate"):
+        sched.add_request(Request("ok", [1], 1, 0.0))
+
+
+def test_block_pool_rejects_double_free_and_overallocation():
+    pool = BlockPool(4, "device")
+    blocks = pool.allocate("a", 3)
+    with pytest.raises(BlockAccountingError, match="only 1 free"):
+        pool.allocate("b", 2)
+    pool.free("a", blocks)
+    with pytest.raises(BlockAccountingError, match="owned by None"):
+        pool.free("a", blocks[:1])
+
+
+def test_in_flight_blocks_are_not_reused_until_copy_completes():
+    mgr = KVBlockManager(4, 4, block_size=2)
+    mgr.grow("a", 8)
+    pairs = mgr.begin_offload("a")
+    assert mgr.device.num_free == 0 and mgr.device.num_in_flight == 4
+    with pytest.raises(BlockAccountingError):
+        mgr.grow("b", 2)
+    mgr.check_invariants()
+    mgr.complete_offload(pairs)
+    assert mgr.device.num_free == 4
+    back = mgr.begin_restore("a")
+    assert [(h, d) for h, d in back] and mgr.host.num_in_flight == 4
+    mgr.complete_restore(back)
+    mgr.free("a")
+    mgr.assert_all_free()
