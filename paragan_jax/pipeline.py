@@ -1,0 +1,464 @@
+"""Congestion-aware input pipeline: worker threads and prefetch depth adapted from measurements.
+
+Design (threads, not Grain: Grain fixes its worker and thread counts when an iterator is built,
+and the whole point here is to change them while training runs):
+
+- `epoch_indices` gives each process its share of a seeded per-epoch permutation (strided, so the
+  shares are disjoint and together cover the data set). Within an epoch every example of a host's
+  share is fetched exactly once; with ``drop_remainder=False`` the last batch may be short, so no
+  example is lost.
+- `InputPipeline.epoch` runs a pool of fetch threads over a window of batches. Examples are
+  fetched one at a time (``storage.fetch(i)``) so that a slow fetch only delays its own slot; the
+  thread that fills a batch's last slot stacks it. Batches come out in order.
+- The window is ``prefetch_depth`` batches ahead of the consumer, and every batch that has started
+  reserves its full size against ``memory_cap_bytes``: buffered bytes (batches being filled plus
+  ready ones) never exceed the cap.
+- The consumer's ``next()`` records how long the training step waited for input; together with the
+  storage's measured fetch latencies this feeds `AimdController`, which every
+  ``control_interval`` steps sets the number of active workers and the prefetch depth:
+
+  * starving (input wait above ``wait_high`` of the interval): additive increase of workers,
+    jumping straight to the Little's-law concurrency ``rate x latency`` when that is higher, and
+    depth grown to hold those fetches plus a spare batch;
+    no increase of workers past twice that need (the wait then has another cause);
+  * comfortable (wait below ``wait_low`` with the buffer full, or workers above twice the
+    Little's-law need): multiplicative decrease of workers, never below the need x headroom;
+    depth one lower whenever the consumer keeps finding the window full, but never below
+    what holds the Little's-law concurrency plus one ready batch.
+
+  A fixed pipeline is the same machinery with ``adaptive=False``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from .storage import Example, Storage
+
+__all__ = [
+    "AimdController",
+    "EpochIterator",
+    "InputPipeline",
+    "Observation",
+    "PipelineConfig",
+    "epoch_indices",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Input pipeline settings."""
+
+    batch_size: int = 32
+    """Examples per batch on this process."""
+    num_workers: int = 4
+    """Fetch threads at start (fixed pipeline: always)."""
+    prefetch_depth: int = 2
+    """Batches the pipeline may work on ahead of the consumer, at start."""
+    adaptive: bool = True
+    """Let the controller change workers and depth."""
+    min_workers: int = 1
+    """Lower bound on fetch threads."""
+    max_workers: int = 128
+    """Upper bound on fetch threads."""
+    min_depth: int = 1
+    """Lower bound on prefetch depth."""
+    max_depth: int = 32
+    """Upper bound on prefetch depth (the memory cap may bound it lower)."""
+    memory_cap_bytes: int = 256 * 2**20
+    """Most bytes of batches buffered (being filled or ready) at any time."""
+    control_interval: int = 4
+    """Steps between controller decisions."""
+    wait_high: float = 0.03
+    """Input-wait fraction of the interval above which the pipeline is starving."""
+    wait_low: float = 0.005
+    """Input-wait fraction below which the pipeline may shrink."""
+    additive_workers: int = 2
+    """Workers added per starving interval."""
+    decrease_factor: float = 0.75
+    """Multiplicative decrease of workers when over-provisioned."""
+    headroom: float = 1.25
+    """Little's-law concurrency is multiplied by this when growing."""
+    shuffle: bool = True
+    """Shuffle each epoch with a permutation seeded by (seed, epoch)."""
+    seed: int = 0
+    """Shuffle seed."""
+    drop_remainder: bool = False
+    """Drop the last short batch of the epoch (its examples are then skipped)."""
+
+    def __post_init__(self):
+        checks = [
+            ("batch_size", self.batch_size >= 1),
+            ("min_workers", self.min_workers >= 1),
+            ("max_workers", self.max_workers >= self.min_workers),
+            ("num_workers", self.min_workers <= self.num_workers <= self.max_workers),
+            ("min_depth", self.min_depth >= 1),
+            ("max_depth", self.max_depth >= self.min_depth),
+            ("prefetch_depth", self.min_depth <= self.prefetch_depth <= self.max_depth),
+            ("memory_cap_bytes", self.memory_cap_bytes > 0),
+            ("control_interval", self.control_interval >= 1),
+            ("wait_low", 0 <= self.wait_low <= self.wait_high),
+            ("decrease_factor", 0 < self.decrease_factor < 1),
+            ("additive_workers", self.additive_workers >= 1),
+            ("headroom", self.headroom >= 1),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"PipelineConfig.{name}={getattr(self, name)!r} is out of range")
+
+
+def epoch_indices(
+    num_examples: int,
+    epoch: int,
+    seed: int = 0,
+    shuffle: bool = True,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> np.ndarray:
+    """This process's example indices for one epoch.
+
+    All processes draw the same permutation (seeded by ``(seed, epoch)``) and take every
+    ``process_count``-th entry from ``process_index``: the shares are disjoint and cover the set.
+    """
+    if num_examples < 1:
+        raise ValueError(f"the data set is empty (num_examples={num_examples})")
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    if shuffle:
+        order = np.random.default_rng([seed, epoch]).permutation(num_examples)
+    else:
+        order = np.arange(num_examples)
+    return order[process_index::process_count]
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What the controller sees over one control interval."""
+
+    wall_s: float
+    """Wall time of the interval."""
+    wait_s: float
+    """Time the consumer blocked in ``next()``."""
+    steps: int
+    """Batches consumed."""
+    examples: int
+    """Examples consumed."""
+    fetch_latency_s: float
+    """Mean recent fetch latency."""
+    full_fraction: float
+    """Fraction of ``next()`` calls that found the window's ready batches at depth - 1 or more."""
+
+
+class AimdController:
+    """Additive-increase / multiplicative-decrease of workers and depth, with a Little's-law floor.
+
+    Args:
+      config: bounds and gains.
+      batch_bytes: bytes of one batch (depth is capped at ``memory_cap_bytes // batch_bytes``).
+    """
+
+    def __init__(self, config: PipelineConfig, batch_bytes: int):
+        self.config = config
+        self.max_depth = min(config.max_depth, config.memory_cap_bytes // max(1, batch_bytes))
+        if self.max_depth < 1:
+            raise ValueError(
+                f"memory cap {config.memory_cap_bytes} B is smaller than one batch "
+                f"({batch_bytes} B); raise memory_cap_bytes or lower batch_size"
+            )
+        self.workers = config.num_workers
+        self.depth = max(1, min(config.prefetch_depth, self.max_depth))
+        self.history: list[tuple[int, int, float]] = []
+
+    def needed_workers(self, obs: Observation) -> float:
+        """Little's law: fetches in flight = consumption rate (when not waiting) x latency."""
+        busy = max(obs.wall_s - obs.wait_s, 1e-9)
+        return obs.examples / busy * obs.fetch_latency_s
+
+    def update(self, obs: Observation) -> tuple[int, int]:
+        """One decision; returns the new ``(workers, depth)``."""
+        cfg = self.config
+        wait_frac = obs.wait_s / obs.wall_s if obs.wall_s > 0 else 0.0
+        target = math.ceil(self.needed_workers(obs) * cfg.headroom)
+        workers, depth = self.workers, self.depth
+        if wait_frac > cfg.wait_high:
+            # More fetches in flight only help while concurrency is what is short; past twice
+            # the Little's-law need the wait comes from elsewhere (CPU, stacking), so hold.
+            if workers < 2 * target + cfg.additive_workers:
+                workers = max(workers + cfg.additive_workers, target)
+            depth = max(depth + 1, math.ceil(workers / cfg.batch_size) + 1)
+        else:
+            if (wait_frac < cfg.wait_low and obs.full_fraction >= 0.5) or workers > 2 * target:
+                workers = max(math.floor(workers * cfg.decrease_factor), target)
+            if obs.full_fraction >= 0.5:  # the consumer keeps finding the window full
+                depth -= 1
+        workers = int(min(max(workers, cfg.min_workers), cfg.max_workers))
+        # The window must hold the fetches the need calls for plus one ready batch; a shallower
+        # window would cap concurrency below it.
+        floor = max(cfg.min_depth, math.ceil(target / cfg.batch_size) + 1)
+        depth = int(min(max(depth, floor), self.max_depth))
+        # Threads beyond what the window can keep busy would only idle.
+        workers = min(workers, max(cfg.min_workers, depth * cfg.batch_size))
+        self.workers, self.depth = workers, depth
+        self.history.append((workers, depth, wait_frac))
+        return workers, depth
+
+
+class EpochIterator(Iterator[Example]):
+    """Batches of one epoch, in order, from a pool of fetch threads (see module docstring)."""
+
+    def __init__(self, pipeline: InputPipeline, indices: np.ndarray, start_batch: int = 0):
+        cfg = pipeline.config
+        self._p = pipeline
+        self._storage = pipeline.storage
+        self._indices = indices
+        b = cfg.batch_size
+        n = len(indices)
+        self.num_batches = n // b if cfg.drop_remainder else math.ceil(n / b)
+        if not 0 <= start_batch <= self.num_batches:
+            raise ValueError(f"start_batch {start_batch} not in [0, {self.num_batches}]")
+        self._end = min(n, self.num_batches * b)
+        self._batch_bytes = pipeline.batch_bytes
+        # One lock, three queues: the consumer, active workers, parked workers (so a wake-up
+        # meant for a worker with a task is never swallowed by one that is parked).
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._work_cv = threading.Condition(self._lock)
+        self._park_cv = threading.Condition(self._lock)
+        self._next_task = start_batch * b
+        self._consumed = start_batch
+        self._slots: dict[int, list[Example | None]] = {}
+        self._filled: dict[int, int] = {}
+        self._ready: dict[int, Example] = {}
+        self._error: BaseException | None = None
+        self._stop = False
+        self._threads: list[threading.Thread] = []
+        self._last_next: float | None = None
+        self._interval = {
+            "t0": time.perf_counter(),
+            "wait": 0.0,
+            "steps": 0,
+            "examples": 0,
+            "full": 0,
+        }
+        self._ensure_threads(pipeline.controller.workers)
+
+    # ---- worker side -------------------------------------------------------------------------
+    def _batch_size(self, batch: int) -> int:
+        b = self._p.config.batch_size
+        return min(b, self._end - batch * b)
+
+    def _reserved(self) -> int:
+        return len(self._slots) + len(self._ready)
+
+    def _task_allowed(self) -> bool:
+        if self._next_task >= self._end:
+            return False
+        batch = self._next_task // self._p.config.batch_size
+        if batch >= self._consumed + self._p.controller.depth:
+            return False
+        if batch in self._slots:
+            return True
+        return (self._reserved() + 1) * self._batch_bytes <= self._p.config.memory_cap_bytes
+
+    def _ensure_threads(self, n: int) -> None:
+        while len(self._threads) < n:
+            t = threading.Thread(
+                target=self._work,
+                args=(len(self._threads),),
+                daemon=True,
+                name=f"paragan-fetch-{len(self._threads)}",
+            )
+            self._threads.append(t)
+            t.start()
+
+    def _work(self, wid: int) -> None:
+        b = self._p.config.batch_size
+        while True:
+            with self._lock:
+                while not self._stop:
+                    if wid >= self._p.controller.workers:
+                        self._park_cv.wait()
+                    elif not self._task_allowed():
+                        self._work_cv.wait()
+                    else:
+                        break
+                if self._stop:
+                    return
+                pos = self._next_task
+                self._next_task += 1
+                if self._task_allowed():
+                    self._work_cv.notify()  # pass the baton: another task is waiting
+                batch, slot = divmod(pos, b)
+                if batch not in self._slots:
+                    self._slots[batch] = [None] * self._batch_size(batch)
+                    self._filled[batch] = 0
+                    self._p._note_buffer(self._reserved() * self._batch_bytes)
+            try:
+                ex = self._storage.fetch(int(self._indices[pos]))
+            except BaseException as e:  # surfaced to the consumer
+                with self._lock:
+                    self._error = e
+                    self._cv.notify_all()
+                return
+            with self._lock:
+                slots = self._slots[batch]
+                slots[slot] = ex
+                self._filled[batch] += 1
+                complete = self._filled[batch] == len(slots)
+            if complete:
+                stacked = {k: np.stack([s[k] for s in slots]) for k in slots[0]}
+                with self._lock:
+                    del self._slots[batch], self._filled[batch]
+                    self._ready[batch] = stacked
+                    self._cv.notify()
+
+    # ---- consumer side -----------------------------------------------------------------------
+    def __next__(self) -> Example:
+        if self._consumed >= self.num_batches:
+            self.close()
+            raise StopIteration
+        t0 = time.perf_counter()
+        with self._cv:
+            full = len(self._ready) >= max(1, self._p.controller.depth - 1)
+            while self._consumed not in self._ready and self._error is None:
+                self._cv.wait()
+            if self._error is not None:
+                err = self._error
+                self._stop = True
+                self._work_cv.notify_all()
+                self._park_cv.notify_all()
+                raise RuntimeError(f"input pipeline fetch failed: {err!r}") from err
+            batch = self._ready.pop(self._consumed)
+            self._consumed += 1
+            self._work_cv.notify(self._p.config.batch_size)  # one more batch fits the window
+        waited = time.perf_counter() - t0
+        self._account(waited, len(next(iter(batch.values()))), full)
+        return batch
+
+    def _account(self, waited: float, examples: int, full: bool) -> None:
+        p = self._p
+        p.total_wait_s += waited
+        p.steps += 1
+        iv = self._interval
+        iv["wait"] += waited
+        iv["steps"] += 1
+        iv["examples"] += examples
+        iv["full"] += int(full)
+        if not p.config.adaptive or iv["steps"] < p.config.control_interval:
+            return
+        now = time.perf_counter()
+        lat = self._storage.stats.recent()
+        obs = Observation(
+            wall_s=now - iv["t0"],
+            wait_s=iv["wait"],
+            steps=iv["steps"],
+            examples=iv["examples"],
+            fetch_latency_s=float(lat[-256:].mean()) if lat.size else 0.0,
+            full_fraction=iv["full"] / iv["steps"],
+        )
+        with self._lock:
+            workers, _ = p.controller.update(obs)
+            self._ensure_threads(workers)
+            self._work_cv.notify_all()
+            self._park_cv.notify_all()
+        p.trace.append(
+            {
+                "step": p.steps,
+                "workers": workers,
+                "depth": p.controller.depth,
+                "wait_frac": obs.wait_s / max(obs.wall_s, 1e-9),
+                "fetch_latency_s": obs.fetch_latency_s,
+            }
+        )
+        self._interval = {"t0": now, "wait": 0.0, "steps": 0, "examples": 0, "full": 0}
+
+    @property
+    def position(self) -> int:
+        """Batches consumed so far in this epoch (resume with ``start_batch=position``)."""
+        return self._consumed
+
+    def close(self) -> None:
+        """Stops the fetch threads (idempotent)."""
+        with self._lock:
+            self._stop = True
+            self._work_cv.notify_all()
+            self._park_cv.notify_all()
+        for t in self._threads:
+            t.join(timeout=30)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class InputPipeline:
+    """Epochs of batches from a `Storage`, with this process's shard of each epoch.
+
+    Args:
+      storage: where examples come from.
+      config: pipeline settings.
+      process_index: this process (defaults to ``jax.process_index()``).
+      process_count: processes sharing the data set (defaults to ``jax.process_count()``).
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        config: PipelineConfig,
+        process_index: int | None = None,
+        process_count: int | None = None,
+    ):
+        if process_index is None or process_count is None:
+            import jax
+
+            process_index = jax.process_index() if process_index is None else process_index
+            process_count = jax.process_count() if process_count is None else process_count
+        self.storage = storage
+        self.config = config
+        self.process_index = process_index
+        self.process_count = process_count
+        self.batch_bytes = storage.example_nbytes() * config.batch_size
+        self.controller = AimdController(config, self.batch_bytes)
+        self.peak_buffer_bytes = 0
+        self.total_wait_s = 0.0
+        self.steps = 0
+        self.trace: list[dict[str, float]] = []
+        self._lock = threading.Lock()
+
+    def _note_buffer(self, nbytes: int) -> None:
+        with self._lock:
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, nbytes)
+
+    def indices(self, epoch: int) -> np.ndarray:
+        """This process's examples for `epoch`, in the order they are served."""
+        return epoch_indices(
+            len(self.storage),
+            epoch,
+            self.config.seed,
+            self.config.shuffle,
+            self.process_index,
+            self.process_count,
+        )
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> EpochIterator:
+        """An iterator over the batches of one epoch (resumable at a batch position)."""
+        return EpochIterator(self, self.indices(epoch), start_batch)
+
+    def batches(self, start_epoch: int = 0, start_batch: int = 0) -> Iterator[Example]:
+        """Batches over successive epochs, forever."""
+        epoch, start = start_epoch, start_batch
+        while True:
+            it = self.epoch(epoch, start)
+            try:
+                yield from it
+            finally:
+                it.close()
+            epoch, start = epoch + 1, 0
