@@ -1,0 +1,299 @@
+"""Real samples for GAN training, and the plain prefetching loader.
+
+Sources (``data.source``):
+
+- ``digits``: scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes), shipped inside
+  scikit-learn, so nothing is downloaded; upsampled bilinearly to ``model.resolution``.
+- ``ring8`` / ``grid25``: 2-D Gaussian mixtures (8 modes on a circle of radius 2; 25 modes on the
+  grid {-4, -2, 0, 2, 4}^2), ``data.mixture_std`` each; `Dataset.modes` holds the centres for the
+  mode-coverage metrics.
+- ``folder``: an image folder (PNG/JPEG), one sub-folder per class or flat (one class). Every image
+  must have the same size; they are resized to ``model.resolution`` if that differs.
+- ``npy``: a directory of ``.npy`` (images only) or ``.npz`` (``images`` and optional ``labels``)
+  shards of shape (N, H, W[, C]); uint8 is scaled from [0, 255], floats must already be in [-1, 1].
+
+Images are float32 NHWC in [-1, 1]; labels int32.
+
+The loader is deterministic: batch ``i`` is a pure function of ``(seed, i)`` (epoch ``i // nb``
+is a fresh permutation seeded by ``[seed, epoch]``; the last incomplete batch of an epoch is
+dropped). The data position saved in checkpoints is simply the next batch index, so a resumed run
+reads exactly the batches an uninterrupted one would. `PrefetchLoader` prepares batches on a
+background thread; it is the default implementation of the trainer's batch-iterator seam
+(``batch_iterator_factory(dataset, batch_size, seed, start) -> Iterator[Batch]``), which the
+adaptive pipeline of ``paragan_jax at scale`` replaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from .config import TrainConfig
+
+__all__ = [
+    "Batch",
+    "DataError",
+    "Dataset",
+    "PrefetchLoader",
+    "batch_at",
+    "gaussian_mixture",
+    "load_dataset",
+]
+
+Batch = dict[str, np.ndarray]
+_IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
+
+
+class DataError(ValueError):
+    """Real data that cannot be read or does not fit the config."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """Real samples in memory."""
+
+    name: str
+    images: np.ndarray  # (N, H, W, C) float32 in [-1, 1], or (N, 2) for mixtures
+    labels: np.ndarray  # (N,) int32
+    num_classes: int
+    modes: np.ndarray | None = None  # (M, 2) mixture centres
+    mode_std: float = 0.0
+
+    @property
+    def is_mixture(self) -> bool:
+        return self.modes is not None
+
+    def __len__(self) -> int:
+        return int(self.images.shape[0])
+
+
+def _resize(images: np.ndarray, size: int) -> np.ndarray:
+    from scipy.ndimage import zoom
+
+    n, h, w, c = images.shape
+    if (h, w) == (size, size):
+        return images.astype(np.float32)
+    out = zoom(images, (1, size / h, size / w, 1), order=1, grid_mode=True, mode="nearest")
+    return np.clip(out, -1.0, 1.0).astype(np.float32)
+
+
+def _digits(resolution: int) -> Dataset:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    images = (d.images.astype(np.float32) / 16.0) * 2.0 - 1.0
+    images = _resize(images[..., None], resolution)
+    return Dataset("digits", images, d.target.astype(np.int32), 10)
+
+
+def mixture_modes(name: str) -> np.ndarray:
+    """Centres of ``ring8`` (radius 2) or ``grid25`` (spacing 2) as an (M, 2) array."""
+    if name == "ring8":
+        angles = 2 * np.pi * np.arange(8) / 8
+        return np.stack([2 * np.cos(angles), 2 * np.sin(angles)], axis=1).astype(np.float32)
+    if name == "grid25":
+        g = np.arange(-4, 5, 2, dtype=np.float32)
+        return np.stack(np.meshgrid(g, g, indexing="ij"), axis=-1).reshape(-1, 2)
+    raise DataError(f"unknown mixture {name!r}; expected 'ring8' or 'grid25'")
+
+
+def gaussian_mixture(name: str, n: int, std: float, seed: int) -> Dataset:
+    """Draws `n` points from an equal-weight mixture; labels are the mode indices."""
+    modes = mixture_modes(name)
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, len(modes), size=n)
+    points = modes[labels] + std * rng.standard_normal((n, 2)).astype(np.float32)
+    return Dataset(name, points.astype(np.float32), labels.astype(np.int32), 0, modes, std)
+
+
+def _read_image(path: Path) -> np.ndarray:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return np.asarray(im.convert("RGB" if im.mode not in ("L", "I", "F") else "L"))
+    except Exception as e:
+        raise DataError(f"cannot read image {path}: {e}") from None
+
+
+def _folder(path: str, resolution: int, channels: int) -> Dataset:
+    root = Path(path)
+    if not root.is_dir():
+        raise DataError(f"data.path {path!r} is not a readable directory")
+    try:
+        subdirs = sorted(p for p in root.iterdir() if p.is_dir())
+    except OSError as e:
+        raise DataError(f"cannot list data.path {path!r}: {e}") from None
+    groups = [(i, d) for i, d in enumerate(subdirs)] if subdirs else [(0, root)]
+    images, labels, first = [], [], None
+    for label, d in groups:
+        for f in sorted(d.iterdir()):
+            if f.suffix.lower() not in _IMAGE_EXTS:
+                continue
+            img = _read_image(f)
+            if first is None:
+                first = (img.shape, f)
+            elif img.shape != first[0]:
+                raise DataError(
+                    f"images of mixed sizes in {path!r}: {first[1].name} is {first[0]}, "
+                    f"{f.name} is {img.shape}; resize them to one size first"
+                )
+            images.append(img)
+            labels.append(label)
+    if not images:
+        raise DataError(f"no images ({', '.join(_IMAGE_EXTS)}) found under {path!r}")
+    arr = np.stack(images)
+    if arr.ndim == 3:
+        arr = arr[..., None]
+    return _to_dataset(f"folder:{root.name}", arr, np.asarray(labels), resolution, channels,
+                       max(len(subdirs), 1))
+
+
+def _to_dataset(name, arr, labels, resolution, channels, num_classes) -> Dataset:
+    if arr.ndim == 3:
+        arr = arr[..., None]
+    if arr.ndim != 4:
+        raise DataError(f"{name}: images must be (N, H, W[, C]); got shape {arr.shape}")
+    if arr.shape[1] != arr.shape[2]:
+        raise DataError(f"{name}: images must be square; got {arr.shape[1]}x{arr.shape[2]}")
+    if arr.shape[-1] != channels:
+        if arr.shape[-1] == 1 and channels == 3:
+            arr = np.repeat(arr, 3, axis=-1)
+        elif arr.shape[-1] == 3 and channels == 1:
+            arr = arr.mean(axis=-1, keepdims=True)
+        else:
+            raise DataError(
+                f"{name}: images have {arr.shape[-1]} channels; model.channels={channels}"
+            )
+    if arr.dtype == np.uint8:
+        arr = arr.astype(np.float32) / 127.5 - 1.0
+    else:
+        arr = arr.astype(np.float32)
+        if arr.min() < -1.0 - 1e-3 or arr.max() > 1.0 + 1e-3:
+            raise DataError(
+                f"{name}: float images must lie in [-1, 1]; got [{arr.min()}, {arr.max()}]"
+            )
+    return Dataset(name, _resize(arr, resolution), labels.astype(np.int32), num_classes)
+
+
+def _npy(path: str, resolution: int, channels: int) -> Dataset:
+    root = Path(path)
+    if not root.is_dir():
+        raise DataError(f"data.path {path!r} is not a readable directory")
+    shards = sorted(p for p in root.iterdir() if p.suffix in (".npy", ".npz"))
+    if not shards:
+        raise DataError(f"no .npy/.npz shards under {path!r}")
+    images, labels = [], []
+    for s in shards:
+        try:
+            if s.suffix == ".npz":
+                with np.load(s) as z:
+                    if "images" not in z:
+                        raise DataError(f"shard {s} has no 'images' array (keys: {list(z)})")
+                    img = z["images"]
+                    lab = z["labels"] if "labels" in z else np.zeros(len(img), np.int32)
+            else:
+                img = np.load(s)
+                lab = np.zeros(len(img), np.int32)
+        except DataError:
+            raise
+        except Exception as e:
+            raise DataError(f"cannot read shard {s}: {e}") from None
+        if images and img.shape[1:] != images[0].shape[1:]:
+            raise DataError(
+                f"shards of mixed image sizes in {path!r}: {shards[0].name} has "
+                f"{images[0].shape[1:]}, {s.name} has {img.shape[1:]}"
+            )
+        images.append(img)
+        labels.append(lab)
+    lab = np.concatenate(labels).astype(np.int32)
+    return _to_dataset(f"npy:{root.name}", np.concatenate(images), lab, resolution, channels,
+                       int(lab.max()) + 1)
+
+
+def load_dataset(config: TrainConfig) -> Dataset:
+    """Loads the real samples a config asks for, checking them before any training step.
+
+    Raises:
+      DataError: unreadable directory, images of mixed sizes, wrong channel count or range.
+    """
+    d, m = config.data, config.model
+    if d.source == "digits":
+        ds = _digits(m.resolution)
+        if m.channels != 1:
+            ds = dataclasses.replace(ds, images=np.repeat(ds.images, m.channels, axis=-1))
+    elif d.source in ("ring8", "grid25"):
+        ds = gaussian_mixture(d.source, d.mixture_size, d.mixture_std, d.seed)
+    elif d.source == "folder":
+        ds = _folder(d.path, m.resolution, m.channels)
+    elif d.source == "npy":
+        ds = _npy(d.path, m.resolution, m.channels)
+    else:
+        raise DataError(f"data.source={d.source!r} is not known")
+    if len(ds) < d.batch_size:
+        raise DataError(f"{ds.name}: {len(ds)} samples, fewer than data.batch_size={d.batch_size}")
+    if m.num_classes and int(ds.labels.max()) >= m.num_classes:
+        raise DataError(
+            f"{ds.name}: labels go up to {int(ds.labels.max())}, but model.num_classes="
+            f"{m.num_classes}"
+        )
+    return ds
+
+
+def batch_at(dataset: Dataset, batch_size: int, seed: int, index: int) -> Batch:
+    """Batch number `index` of the deterministic shuffled stream (see the module docstring)."""
+    n = len(dataset)
+    per_epoch = n // batch_size
+    epoch, k = divmod(index, per_epoch)
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    idx = perm[k * batch_size : (k + 1) * batch_size]
+    return {"image": dataset.images[idx], "label": dataset.labels[idx]}
+
+
+class PrefetchLoader(Iterator[Batch]):
+    """Yields `batch_at(start)`, `batch_at(start + 1)`, ... prepared on a background thread.
+
+    Attributes:
+      position: index of the next batch `__next__` returns (the checkpointed data position).
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, seed: int, start: int = 0,
+                 prefetch: int = 2):
+        self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
+        self.position = start
+        self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(start,), daemon=True)
+        self._thread.start()
+
+    def _fill(self, index: int) -> None:
+        while not self._stop.is_set():
+            try:
+                batch = batch_at(self.dataset, self.batch_size, self.seed, index)
+            except Exception as e:  # surface loader errors in the consumer
+                self._queue.put(e)
+                return
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(batch, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            index += 1
+
+    def __next__(self) -> Batch:
+        item = self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        self.position += 1
+        return item
+
+    def close(self) -> None:
+        """Stops the background thread."""
+        self._stop.set()
+        self._thread.join(timeout=2.0)

@@ -1,0 +1,388 @@
+"""Sharded GAN training: the train state, the synchronous step and the `Trainer` loop.
+
+Stable entry points (other modules and the scale helper's code import these):
+
+- ``make_train_state(config: TrainConfig, mesh: Mesh) -> (TrainState, GANParts)``: builds G, D,
+  the G EMA and both optimizer states directly sharded on `mesh` (shapes from `jax.eval_shape`,
+  values from a jitted init with ``out_shardings``, so nothing is materialised unsharded).
+- ``make_sync_step(config: TrainConfig, parts: GANParts) -> step``: a jitted, state-donating
+  ``step(state, batch) -> (state, metrics)`` doing ``n_disc`` D updates then one G update.
+  ``batch`` is ``{"image": (n_disc, B, ...) float32, "label": (n_disc, B) int32}`` placed with
+  ``parts.batch_sharding`` (batch over the ``data`` axis); `batch_struct` gives its abstract shape.
+- ``compile_step(step, state, batch_struct) -> compiled`` lowers and compiles once, logging
+  ``memory_analysis()``; the loop then calls the compiled executable only.
+- ``Trainer(config, workdir, batch_iterator_factory=None)``: the loop with checkpoints, logs and
+  samples; ``scheme=async`` delegates to `paragan_jax.async_scheme`.
+
+Param placement (``sharding.params``): ``replicated``; ``fsdp`` (each array's largest dimension
+that divides the ``data`` axis is sharded over it; gradients then reduce-scatter and params
+all-gather inside the step, chosen by GSPMD); ``plan`` (placement by a `tapas_jax` plan when a
+mesh has a ``model`` axis; see `param_shardings`).
+
+RNG: the state holds one raw key; step ``t`` uses ``fold_in(key, t)``, sub-keys ``fold_in(., i)``
+for the i-th D step's fakes and ``fold_in(., n_disc)`` for the G step. With the deterministic
+loader (`paragan_jax.data`) a resumed run therefore repeats an uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from tapas_jax.config import ConfigError
+from tapas_jax.mesh import axis_size
+
+from .config import OptimConfig, TrainConfig
+from .losses import d_loss, g_loss, r1_penalty
+from .models import build_models
+
+__all__ = [
+    "GANFunctions",
+    "GANParts",
+    "TrainState",
+    "batch_struct",
+    "check_batch_divides",
+    "compile_step",
+    "make_optimizer",
+    "make_sync_step",
+    "make_train_state",
+    "param_shardings",
+]
+
+log = logging.getLogger("paragan_jax")
+
+
+class TrainState(flax.struct.PyTreeNode):
+    """Everything a step reads and writes; a pytree of arrays (checkpointed whole)."""
+
+    step: jax.Array  # int32 scalar: G steps done
+    rng: jax.Array  # uint32[2] raw key
+    g_params: Any
+    g_stats: Any  # BN running stats and spectral-norm vectors of G
+    d_params: Any
+    d_stats: Any
+    ema_params: Any
+    g_opt: Any
+    d_opt: Any
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """Adam with the side's learning rate and betas."""
+    return optax.adam(cfg.lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class GANFunctions:
+    """Pure pieces of a GAN step, shared by the sync step and both async sides.
+
+    Each is traceable under `jax.jit`; `mesh_batch` is the sharding the in-step latents get (batch
+    over ``data``), or None.
+    """
+
+    config: TrainConfig
+    g_def: Any
+    d_def: Any
+    tx_g: optax.GradientTransformation
+    tx_d: optax.GradientTransformation
+    batch_sharding_1: NamedSharding | None = None
+
+    def latents(self, key: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
+        """``(z, labels)`` for one batch of fakes."""
+        m = self.config.model
+        kz, ky = jax.random.split(key)
+        z = jax.random.normal(kz, (batch, m.z_dim), jnp.float32)
+        y = (
+            jax.random.randint(ky, (batch,), 0, m.num_classes, jnp.int32)
+            if m.num_classes
+            else jnp.zeros((batch,), jnp.int32)
+        )
+        if self.batch_sharding_1 is not None:
+            z = jax.lax.with_sharding_constraint(z, self.batch_sharding_1)
+            y = jax.lax.with_sharding_constraint(y, self.batch_sharding_1)
+        return z, y
+
+    def fakes_for_d(self, g_params, g_stats, key: jax.Array, batch: int):
+        """Fakes D trains on: G in training mode, its state changes discarded, no gradient."""
+        z, y = self.latents(key, batch)
+        g = nnx.merge(self.g_def, g_params, g_stats, copy=True)
+        return jax.lax.stop_gradient(g(z, y, train=True)), y
+
+    def d_update(self, d_params, d_stats, d_opt, real, real_y, fake, fake_y):
+        """One D step on a real and a fake batch; returns new ``(params, stats, opt), metrics``."""
+        cfg = self.config
+        b = real.shape[0]
+
+        def loss_fn(params, stats):
+            d = nnx.merge(self.d_def, params, stats, copy=True)
+            logits = d(jnp.concatenate([real, fake]), jnp.concatenate([real_y, fake_y]), True)
+            loss = d_loss(cfg.loss, logits[:b], logits[b:])
+            metrics = {"d_real": jnp.mean(logits[:b]), "d_fake": jnp.mean(logits[b:])}
+            if cfg.r1_gamma > 0:
+                r1 = r1_penalty(lambda x: d(x, real_y, False), real)
+                loss = loss + 0.5 * cfg.r1_gamma * r1
+                metrics["r1"] = r1
+            _, _, new_stats = nnx.split(d, nnx.Param, ...)
+            metrics["d_loss"] = loss
+            return loss, (new_stats, metrics)
+
+        grads, (new_stats, metrics) = jax.grad(loss_fn, has_aux=True)(d_params, d_stats)
+        updates, d_opt = self.tx_d.update(grads, d_opt, d_params)
+        return (optax.apply_updates(d_params, updates), new_stats, d_opt), metrics
+
+    def g_update(self, g_params, g_stats, g_opt, d_params, d_stats, key, batch: int):
+        """One G step scored by the given D (current or a snapshot); D's state is not changed."""
+        cfg = self.config
+        z, y = self.latents(key, batch)
+
+        def loss_fn(params, stats, d_params, d_stats):
+            g = nnx.merge(self.g_def, params, stats, copy=True)
+            fake = g(z, y, train=True)
+            d = nnx.merge(self.d_def, d_params, d_stats, copy=True)
+            loss = g_loss(cfg.loss, d(fake, y, False))
+            _, _, new_stats = nnx.split(g, nnx.Param, ...)
+            return loss, new_stats
+
+        (loss, new_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            g_params, g_stats, d_params, d_stats
+        )
+        updates, g_opt = self.tx_g.update(grads, g_opt, g_params)
+        return (optax.apply_updates(g_params, updates), new_stats, g_opt), {"g_loss": loss}
+
+    def ema_update(self, ema, g_params, step):
+        """EMA of G params; a plain copy before ``ema_start`` or when ``ema_decay`` is 0."""
+        decay = jnp.where(step >= self.config.ema_start, self.config.ema_decay, 0.0)
+        return jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema, g_params)
+
+    def generate(self, params, stats, z, y):
+        """Samples in evaluation mode (BN running averages)."""
+        g = nnx.merge(self.g_def, params, stats, copy=True)
+        return g(z, y, train=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class GANParts:
+    """Static pieces of a run: functions, mesh and shardings."""
+
+    fns: GANFunctions
+    mesh: Mesh
+    state_shardings: Any  # TrainState of NamedSharding
+    batch_sharding: NamedSharding  # (n_disc, B, ...) batch over data
+    abstract_state: Any
+
+
+def check_batch_divides(config: TrainConfig, mesh: Mesh, axis: str = "data") -> None:
+    """Raises `ConfigError` if the batch does not split evenly over the data axis."""
+    n = axis_size(mesh, axis)
+    if config.data.batch_size % n:
+        raise ConfigError(
+            f"data.batch_size={config.data.batch_size} does not divide the '{axis}' axis of size "
+            f"{n} (mesh {dict(mesh.shape)}); use a multiple of {n}"
+        )
+
+
+def _fsdp_spec(shape: tuple[int, ...], n: int, min_size: int = 1024) -> P:
+    if n == 1 or math.prod(shape) < min_size:
+        return P()
+    dims = sorted(range(len(shape)), key=lambda i: -shape[i])
+    for i in dims:
+        if shape[i] % n == 0:
+            spec = [None] * len(shape)
+            spec[i] = "data"
+            return P(*spec)
+    return P()
+
+
+def param_shardings(abstract: Any, mesh: Mesh, mode: str) -> Any:
+    """NamedShardings for a pytree of ShapeDtypeStructs under a placement mode.
+
+    Args:
+      abstract: pytree of `jax.ShapeDtypeStruct` (params or optimizer state).
+      mesh: the mesh.
+      mode: ``replicated``; ``fsdp`` (largest dimension divisible by the ``data`` axis, arrays of
+        fewer than 1,024 elements replicated); ``plan`` (needs `tapas_jax.plan`).
+
+    Returns:
+      A pytree of `NamedSharding` with the structure of `abstract`.
+    """
+    if mode == "replicated":
+        return jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract)
+    if mode == "fsdp":
+        n = axis_size(mesh, "data")
+        return jax.tree.map(lambda a: NamedSharding(mesh, _fsdp_spec(a.shape, n)), abstract)
+    if mode == "plan":
+        raise ConfigError(
+            "sharding.params='plan' needs tapas_jax.plan (tensor-parallel placement), which this "
+            "tree does not provide yet; use 'replicated' or 'fsdp'"
+        )
+    raise ConfigError(f"sharding.params={mode!r}: expected 'replicated', 'fsdp' or 'plan'")
+
+
+def _init_fn(config: TrainConfig, tx_g, tx_d) -> Callable[[], TrainState]:
+    def init() -> TrainState:
+        key = jax.random.PRNGKey(config.seed)
+        init_key, train_key = jax.random.split(key)
+        g, d = build_models(config.model, nnx.Rngs(params=init_key))
+        _, g_params, g_stats = nnx.split(g, nnx.Param, ...)
+        _, d_params, d_stats = nnx.split(d, nnx.Param, ...)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            rng=train_key,
+            g_params=g_params,
+            g_stats=g_stats,
+            d_params=d_params,
+            d_stats=d_stats,
+            ema_params=jax.tree.map(jnp.copy, g_params),
+            g_opt=tx_g.init(g_params),
+            d_opt=tx_d.init(d_params),
+        )
+
+    return init
+
+
+def graphdefs(config: TrainConfig) -> tuple[Any, Any]:
+    """Graph definitions of G and D (built abstractly, no weights allocated)."""
+    g, d = nnx.eval_shape(lambda: build_models(config.model, nnx.Rngs(params=0)))
+    return nnx.split(g, nnx.Param, ...)[0], nnx.split(d, nnx.Param, ...)[0]
+
+
+def make_train_state(
+    config: TrainConfig,
+    mesh: Mesh,
+    optim_g: OptimConfig | None = None,
+    optim_d: OptimConfig | None = None,
+) -> tuple[TrainState, GANParts]:
+    """Builds the sharded train state on `mesh` and the static parts of the run.
+
+    Args:
+      config: the run config.
+      mesh: a mesh from `tapas_jax.mesh` with a ``data`` axis (size 1 is fine).
+      optim_g, optim_d: optimizer overrides (the async scheme's asymmetric settings).
+
+    Returns:
+      ``(state, parts)``; ``state`` lives on `mesh` with ``parts.state_shardings``.
+
+    Raises:
+      ConfigError: the batch does not divide the data axis, or an unknown placement mode.
+    """
+    check_batch_divides(config, mesh)
+    tx_g = make_optimizer(optim_g or config.optim_g)
+    tx_d = make_optimizer(optim_d or config.optim_d)
+    g_def, d_def = graphdefs(config)
+    init = _init_fn(config, tx_g, tx_d)
+    abstract = jax.eval_shape(init)
+    mode = config.sharding.params
+    rep = NamedSharding(mesh, P())
+    shardings = TrainState(
+        step=rep,
+        rng=rep,
+        g_params=param_shardings(abstract.g_params, mesh, mode),
+        g_stats=param_shardings(abstract.g_stats, mesh, "replicated"),
+        d_params=param_shardings(abstract.d_params, mesh, mode),
+        d_stats=param_shardings(abstract.d_stats, mesh, "replicated"),
+        ema_params=param_shardings(abstract.ema_params, mesh, mode),
+        g_opt=param_shardings(abstract.g_opt, mesh, mode),
+        d_opt=param_shardings(abstract.d_opt, mesh, mode),
+    )
+    with jax.set_mesh(mesh):
+        state = jax.jit(init, out_shardings=shardings)()
+    b1 = NamedSharding(mesh, P("data"))
+    fns = GANFunctions(config, g_def, d_def, tx_g, tx_d, b1)
+    parts = GANParts(fns, mesh, shardings, NamedSharding(mesh, P(None, "data")), abstract)
+    return state, parts
+
+
+def batch_struct(config: TrainConfig, parts: GANParts, image_shape: tuple[int, ...]) -> Batch:
+    """Abstract ``(n_disc, B, ...)`` batch with its sharding, for lowering the step."""
+    lead = (config.n_disc, config.data.batch_size)
+    return {
+        "image": jax.ShapeDtypeStruct(lead + tuple(image_shape), jnp.float32,
+                                      sharding=parts.batch_sharding),
+        "label": jax.ShapeDtypeStruct(lead, jnp.int32, sharding=parts.batch_sharding),
+    }
+
+
+Batch = dict[str, Any]
+
+
+def make_sync_step(config: TrainConfig, parts: GANParts):
+    """The synchronous step: ``n_disc`` D updates (each on its own real batch and fresh fakes from
+    the current G), then one G update against the just-updated D, then the EMA.
+
+    Returns:
+      ``jax.jit``-ed ``step(state, batch) -> (state, metrics)`` that donates ``state``.
+    """
+    fns = parts.fns
+    b = config.data.batch_size
+
+    def step(state: TrainState, batch: Batch):
+        key = jax.random.fold_in(state.rng, state.step)
+        d_params, d_stats, d_opt = state.d_params, state.d_stats, state.d_opt
+        metrics: dict[str, jax.Array] = {}
+        for i in range(config.n_disc):
+            fake, fake_y = fns.fakes_for_d(state.g_params, state.g_stats,
+                                           jax.random.fold_in(key, i), b)
+            (d_params, d_stats, d_opt), metrics = fns.d_update(
+                d_params, d_stats, d_opt, batch["image"][i], batch["label"][i], fake, fake_y
+            )
+        (g_params, g_stats, g_opt), gm = fns.g_update(
+            state.g_params, state.g_stats, state.g_opt, d_params, d_stats,
+            jax.random.fold_in(key, config.n_disc), b,
+        )
+        new = state.replace(
+            step=state.step + 1,
+            g_params=g_params,
+            g_stats=g_stats,
+            g_opt=g_opt,
+            d_params=d_params,
+            d_stats=d_stats,
+            d_opt=d_opt,
+            ema_params=fns.ema_update(state.ema_params, g_params, state.step),
+        )
+        return new, {**metrics, **gm}
+
+    return jax.jit(
+        step,
+        in_shardings=(parts.state_shardings, parts.batch_sharding),
+        out_shardings=(parts.state_shardings, NamedSharding(parts.mesh, P())),
+        donate_argnums=(0,),
+    )
+
+
+def compile_step(step, *args, name: str = "train_step"):
+    """Lowers and compiles `step` once for `args` (arrays or ShapeDtypeStructs); logs memory.
+
+    Returns:
+      The compiled executable (call it like the step).
+    """
+    compiled = step.lower(*args).compile()
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        log.info(
+            "%s compiled: arguments %.2f MiB, outputs %.2f MiB, temporaries %.2f MiB, "
+            "generated code %.2f MiB",
+            name,
+            mem.argument_size_in_bytes / 2**20,
+            mem.output_size_in_bytes / 2**20,
+            mem.temp_size_in_bytes / 2**20,
+            mem.generated_code_size_in_bytes / 2**20,
+        )
+    return compiled
+
+
+def stack_batches(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Stacks ``n_disc`` loader batches into the step's ``(n_disc, B, ...)`` batch."""
+    return {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+
+
+BatchIteratorFactory = Callable[..., Iterator[dict[str, np.ndarray]]]
