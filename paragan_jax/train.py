@@ -306,8 +306,9 @@ def batch_struct(config: TrainConfig, parts: GANParts, image_shape: tuple[int, .
     """Abstract ``(n_disc, B, ...)`` batch with its sharding, for lowering the step."""
     lead = (config.n_disc, config.data.batch_size)
     return {
-        "image": jax.ShapeDtypeStruct(lead + tuple(image_shape), jnp.float32,
-                                      sharding=parts.batch_sharding),
+        "image": jax.ShapeDtypeStruct(
+            lead + tuple(image_shape), jnp.float32, sharding=parts.batch_sharding
+        ),
         "label": jax.ShapeDtypeStruct(lead, jnp.int32, sharding=parts.batch_sharding),
     }
 
@@ -330,14 +331,20 @@ def make_sync_step(config: TrainConfig, parts: GANParts):
         d_params, d_stats, d_opt = state.d_params, state.d_stats, state.d_opt
         metrics: dict[str, jax.Array] = {}
         for i in range(config.n_disc):
-            fake, fake_y = fns.fakes_for_d(state.g_params, state.g_stats,
-                                           jax.random.fold_in(key, i), b)
+            fake, fake_y = fns.fakes_for_d(
+                state.g_params, state.g_stats, jax.random.fold_in(key, i), b
+            )
             (d_params, d_stats, d_opt), metrics = fns.d_update(
                 d_params, d_stats, d_opt, batch["image"][i], batch["label"][i], fake, fake_y
             )
         (g_params, g_stats, g_opt), gm = fns.g_update(
-            state.g_params, state.g_stats, state.g_opt, d_params, d_stats,
-            jax.random.fold_in(key, config.n_disc), b,
+            state.g_params,
+            state.g_stats,
+            state.g_opt,
+            d_params,
+            d_stats,
+            jax.random.fold_in(key, config.n_disc),
+            b,
         )
         new = state.replace(
             step=state.step + 1,
@@ -386,3 +393,285 @@ def stack_batches(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]
 
 
 BatchIteratorFactory = Callable[..., Iterator[dict[str, np.ndarray]]]
+
+
+def sample_images(
+    fns: GANFunctions, params, stats, key: jax.Array, n: int, chunk: int = 500
+) -> np.ndarray:
+    """`n` samples from G (EMA params by default) in evaluation mode, as a NumPy array."""
+    gen = jax.jit(lambda p, s, z, y: fns.generate(p, s, z, y))
+    m = fns.config.model
+    out = []
+    for i in range(0, n, chunk):
+        b = min(chunk, n - i)
+        kz, ky = jax.random.split(jax.random.fold_in(key, i))
+        z = jax.random.normal(kz, (b, m.z_dim))
+        y = (
+            jax.random.randint(ky, (b,), 0, m.num_classes)
+            if m.num_classes
+            else jnp.zeros((b,), jnp.int32)
+        )
+        if m.num_classes:  # class-balanced grid rows are easier to read
+            y = jnp.arange(i, i + b, dtype=jnp.int32) % m.num_classes
+        out.append(np.asarray(gen(params, stats, z, y)))
+    return np.concatenate(out)
+
+
+class SyncRunner:
+    """The synchronous scheme behind the `Trainer` loop: one state, one compiled step."""
+
+    scheme = "sync"
+
+    def __init__(self, config: TrainConfig, mesh: Mesh, image_shape: tuple[int, ...]):
+        self.config = config
+        self.state, self.parts = make_train_state(config, mesh)
+        self.fns = self.parts.fns
+        self.image_shape = image_shape
+        self._step = None  # compiled on first use (eval and sample never pay for it)
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step)
+
+    def checkpoint_tree(self) -> dict[str, Any]:
+        return {"train": self.state}
+
+    def load_checkpoint_tree(self, tree: dict[str, Any]) -> None:
+        self.state = tree["train"]
+
+    def run_step(self, batches: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
+        if self._step is None:
+            self._step = compile_step(
+                make_sync_step(self.config, self.parts),
+                self.state,
+                batch_struct(self.config, self.parts, self.image_shape),
+            )
+        batch = jax.device_put(stack_batches(batches), self.parts.batch_sharding)
+        self.state, metrics = self._step(self.state, batch)
+        return metrics
+
+    def sampling_params(self) -> tuple[Any, Any]:
+        return self.state.ema_params, self.state.g_stats
+
+    def close(self) -> None:
+        pass
+
+
+class Trainer:
+    """Trains a GAN from a `TrainConfig`: data, mesh, scheme, checkpoints, logs, samples.
+
+    Example::
+
+        from paragan_jax import Trainer, load_train_config
+        cfg = load_train_config("digits_cpu", ["steps=200"])
+        summary = Trainer(cfg, workdir="runs/digits").train()
+        print(summary["sample_grid"])
+
+    Everything that can be wrong with the input (config, data, mesh/batch mismatch) raises in the
+    constructor, before any step runs. ``batch_iterator_factory(dataset, batch_size, seed, start)``
+    replaces the default `paragan_jax.data.PrefetchLoader` (it must yield the same batches in
+    the same order for exact resume; its ``position`` attribute, if any, is not required).
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        workdir: str | None = None,
+        batch_iterator_factory: BatchIteratorFactory | None = None,
+        devices: list[jax.Device] | None = None,
+        progress: bool = True,
+    ):
+        from tapas_jax.mesh import make_mesh
+
+        from .config import validate_config
+        from .data import load_dataset
+
+        validate_config(config)
+        self.config = config
+        self.workdir = workdir
+        self.progress = progress
+        self.dataset = load_dataset(config)
+        if devices is None:
+            devices = jax.devices()
+            if config.sharding.num_devices:
+                if config.sharding.num_devices > len(devices):
+                    raise ConfigError(
+                        f"sharding.num_devices={config.sharding.num_devices} but only "
+                        f"{len(devices)} devices are visible"
+                    )
+                devices = devices[: config.sharding.num_devices]
+        self.mesh = make_mesh(config.sharding.mesh, devices)
+        if config.scheme == "async":
+            from .async_scheme import check_async_mesh
+
+            check_async_mesh(config, self.mesh)
+        else:
+            check_batch_divides(config, self.mesh)
+        self.batch_iterator_factory = batch_iterator_factory
+        self.runner = None
+
+    def _make_runner(self):
+        shape = self.dataset.images.shape[1:]
+        if self.config.scheme == "async":
+            from .async_scheme import AsyncRunner
+
+            return AsyncRunner(self.config, self.mesh, shape)
+        return SyncRunner(self.config, self.mesh, shape)
+
+    def _iterator(self, start: int):
+        from .data import PrefetchLoader
+
+        c = self.config.data
+        if self.batch_iterator_factory is not None:
+            return self.batch_iterator_factory(self.dataset, c.batch_size, c.seed, start)
+        return PrefetchLoader(self.dataset, c.batch_size, c.seed, start, c.prefetch)
+
+    def _meta(self, position: int) -> dict[str, Any]:
+        from tapas_jax.config import config_to_dict
+
+        return {
+            "step": self.runner.step,
+            "data_position": position,
+            "scheme": self.config.scheme,
+            "config": config_to_dict(self.config),
+        }
+
+    def train(self, steps: int | None = None) -> dict[str, Any]:
+        """Trains up to `steps` G steps in total (default ``config.steps``), resuming if a
+        checkpoint exists in the workdir.
+
+        Returns:
+          Summary: ``step``, ``resumed_from``, ``steps_per_sec``, ``wall_s``, last ``metrics``,
+          ``sample_grid`` (PNG path or None).
+        """
+        import time
+        from pathlib import Path
+
+        from tqdm import tqdm
+
+        from .checkpoint import CheckpointStore
+
+        cfg = self.config
+        total = cfg.steps if steps is None else steps
+        self.runner = runner = self._make_runner()
+        store = writer = None
+        position, resumed = 0, None
+        if self.workdir:
+            Path(self.workdir).mkdir(parents=True, exist_ok=True)
+            if cfg.checkpoint.enabled:
+                store = CheckpointStore(
+                    Path(self.workdir) / "checkpoints",
+                    keep=cfg.checkpoint.keep,
+                    every=cfg.checkpoint.every,
+                )
+                restored = store.restore_latest(runner.checkpoint_tree())
+                if restored is not None:
+                    runner.load_checkpoint_tree(restored["state"])
+                    position = int(restored["meta"]["data_position"])
+                    resumed = restored.step
+                    log.info("resumed from step %d (data position %d)", resumed, position)
+            from tensorboardX import SummaryWriter
+
+            writer = SummaryWriter(str(Path(self.workdir) / "tb"))
+        loader = self._iterator(position)
+        start = runner.step
+        metrics: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        bar = tqdm(
+            total=total,
+            initial=start,
+            disable=not self.progress,
+            desc=cfg.name,
+            unit="step",
+            dynamic_ncols=True,
+        )
+        try:
+            for step in range(start, total):
+                batches = [next(loader) for _ in range(cfg.n_disc)]
+                position += cfg.n_disc
+                metrics = runner.run_step(batches)
+                done = step + 1
+                if writer is not None and (done % cfg.eval.log_every == 0 or done == total):
+                    scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    for k, v in scalars.items():
+                        writer.add_scalar(f"train/{k}", v, done)
+                    bar.set_postfix({k: f"{v:.3f}" for k, v in scalars.items()}, refresh=False)
+                if store is not None and store.should_save(done):
+                    store.save(done, runner.checkpoint_tree(), self._meta(position))
+                bar.update(1)
+            jax.block_until_ready(metrics)
+        finally:
+            bar.close()
+            if hasattr(loader, "close"):
+                loader.close()
+        wall = time.perf_counter() - t0
+        if store is not None:
+            if runner.step not in store.steps():
+                store.save(runner.step, runner.checkpoint_tree(), self._meta(position), force=True)
+            store.close()
+        grid = None
+        if self.workdir:
+            grid = str(Path(self.workdir) / f"samples_step{runner.step}.png")
+            self.sample_grid(grid)
+            if writer is not None:
+                writer.close()
+        runner.close()
+        done_steps = runner.step - start
+        return {
+            "step": runner.step,
+            "resumed_from": resumed,
+            "steps_run": done_steps,
+            "wall_s": wall,
+            "steps_per_sec": done_steps / wall if wall > 0 else float("nan"),
+            "metrics": {k: float(v) for k, v in jax.device_get(metrics).items()},
+            "sample_grid": grid,
+        }
+
+    def samples(self, n: int | None = None, seed: int = 1234) -> np.ndarray:
+        """Samples from the trained (EMA) generator; call after `train` or `restore`."""
+        if self.runner is None:
+            raise RuntimeError("no trained state: call train() or restore() first")
+        params, stats = self.runner.sampling_params()
+        n = n or self.config.eval.num_samples
+        return sample_images(self.runner.fns, params, stats, jax.random.PRNGKey(seed), n)
+
+    def sample_grid(self, path: str, seed: int = 1234) -> str:
+        """Writes a sample grid (images) or scatter plot (mixtures) PNG; returns its path."""
+        from .metrics import save_sample_png
+
+        rows = self.config.eval.grid_rows
+        if self.dataset.is_mixture:
+            pts = self.samples(2000, seed)
+            save_sample_png(
+                pts,
+                path,
+                real=self.dataset.images[:2000],
+                title=f"{self.config.name} step {self.runner.step}",
+            )
+        else:
+            save_sample_png(self.samples(rows * rows, seed), path, rows=rows)
+        return path
+
+    def restore(self) -> int:
+        """Loads the latest checkpoint of the workdir (for eval/sample); returns its step."""
+        from pathlib import Path
+
+        from .checkpoint import CheckpointStore
+
+        if not self.workdir or not (Path(self.workdir) / "checkpoints").is_dir():
+            raise FileNotFoundError(f"no checkpoints under {self.workdir!r}")
+        self.runner = self._make_runner()
+        store = CheckpointStore(Path(self.workdir) / "checkpoints")
+        restored = store.restore_latest(self.runner.checkpoint_tree())
+        store.close()
+        if restored is None:
+            raise FileNotFoundError(f"no readable checkpoint under {self.workdir!r}/checkpoints")
+        self.runner.load_checkpoint_tree(restored["state"])
+        return restored.step
+
+    def evaluate(self, n: int | None = None) -> dict[str, Any]:
+        """Offline metrics of the current generator (see `paragan_jax.metrics`)."""
+        from .metrics import evaluate_samples
+
+        out = evaluate_samples(self.samples(n), self.dataset)
+        return {"step": self.runner.step, **out}
