@@ -1,7 +1,9 @@
 """tapas_jax: the sharding layer of the stack.
 
 Meshes (`tapas_jax.mesh`), hardware profiles (`tapas_jax.hardware`), the collective cost model
-(`tapas_jax.collectives`) and typed configs (`tapas_jax.config`) used by every package.
+(`tapas_jax.collectives`) and typed configs (`tapas_jax.config`) used by every package, and the
+automatic tensor-parallelism planner: `plan(fn, params, *inputs, mesh=...)` returns a `Plan` of
+PartitionSpecs (`tapas_jax.plan`); `verify` compiles it and checks it (`tapas_jax.verify`).
 
 Public names are imported lazily, so ``python -m <package>`` can set up the simulated CPU devices
 (`tapas_jax.commands`) before jax is first imported.
@@ -19,6 +21,13 @@ _EXPORTS = {
     "abstract_mesh": ".mesh",
     "make_mesh": ".mesh",
     "split_mesh": ".mesh",
+    "Plan": ".plan",
+    "plan": ".plan",
+    "verify": ".verify",
+    "VerifyResult": ".verify",
+    "MemoryInfeasibleError": ".search",
+    "build_graph": ".graph",
+    "fold_repeated_blocks": ".fold",
 }
 
 __all__ = sorted(_EXPORTS)

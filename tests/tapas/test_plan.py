@@ -1,0 +1,129 @@
+"""tapas_jax.plan on the zoo GPT: folding, the Megatron pattern, JSON, memory and divisibility."""
+
+import json
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tapas_jax import zoo
+from tapas_jax.fold import fold_repeated_blocks
+from tapas_jax.graph import build_graph
+from tapas_jax.plan import Plan, cost_with_param_specs, lower, plan
+from tapas_jax.search import MemoryInfeasibleError
+
+MEGATRON_OUT = ("query", "key", "value", "fc1")
+MEGATRON_IN = ("out", "fc2")
+
+
+@pytest.fixture(scope="module")
+def gpt_small():
+    return zoo.build("gpt", layers=3, d_model=256, heads=8, seq_len=128, batch=8, vocab=512)
+
+
+@pytest.fixture(scope="module")
+def gpt_plan(gpt_small, mesh_2x4):
+    m = gpt_small
+    return plan(m.fn, m.params, *m.inputs, mesh=mesh_2x4, hardware="tpu-v5e")
+
+
+def test_fold_finds_layers_of_unrolled_gpt(gpt_small):
+    m = gpt_small
+    graph = build_graph(m.fn, m.params, *m.inputs)
+    folding = fold_repeated_blocks(graph)
+    assert folding.layers == 3
+    # forward layers, backward layers and the per-layer SGD update
+    assert folding.unique_blocks == 3
+    assert folding.eqns_after < 0.6 * folding.eqns_before
+    # copies of a block map to one representative, copied equation by equation
+    for b in folding.blocks:
+        reps = folding.rep_eqn[b.start : b.start + b.period * b.copies].reshape(b.copies, -1)
+        assert (reps == reps[1]).all()
+        assert folding.count[reps[1][0]] == b.copies
+
+
+def test_plan_recovers_megatron_pattern(gpt_plan):
+    specs = gpt_plan.param_paths
+    for layer in range(3):
+        for name in MEGATRON_OUT:
+            sub = "attn" if name != "fc1" else "mlp"
+            assert specs[f"blocks/{layer}/{sub}/{name}/kernel"] == [None, "model"], name
+        for name in MEGATRON_IN:
+            sub = "attn" if name == "out" else "mlp"
+            assert specs[f"blocks/{layer}/{sub}/{name}/kernel"] == ["model", None], name
+    # batch over the data axis
+    assert gpt_plan.input_paths[0]["arg1"] == ["data", None]
+    assert gpt_plan.fold["layers"] == 3
+
+
+def test_plan_is_no_worse_than_megatron_and_replication(gpt_small, mesh_2x4, gpt_plan):
+    m = gpt_small
+    lowered, _ = lower(m.fn, m.params, *m.inputs, mesh=mesh_2x4, hardware="tpu-v5e")
+    mine = gpt_plan.predicted["step_seconds"]
+    assert mine <= cost_with_param_specs(lowered, zoo.megatron_rules) * (1 + 1e-9)
+    assert mine < cost_with_param_specs(lowered, lambda p, n: (None,) * n)
+
+
+def test_param_specs_pytree_matches_params(gpt_small, gpt_plan):
+    specs = gpt_plan.param_specs
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    assert jax.tree.structure(specs, is_leaf=is_spec) == jax.tree.structure(gpt_small.params)
+    leaves = jax.tree.leaves(specs, is_leaf=is_spec)
+    assert all(is_spec(s) for s in leaves)
+
+
+def test_json_round_trip(gpt_plan):
+    text = gpt_plan.to_json()
+    again = Plan.from_json(text)
+    assert again == gpt_plan
+    assert again.to_json() == text
+    d = json.loads(text)
+    assert {"param_specs", "fold", "search_seconds", "predicted"} <= set(d)
+    assert {"comm_bytes", "step_seconds", "peak_memory_bytes"} <= set(d["predicted"])
+    assert re.search(r"blocks/\*/mlp/fc1/kernel +3 +\(-, model\)", str(gpt_plan))
+    with pytest.raises(ValueError, match="lacks key"):
+        Plan.from_json('{"param_specs": {}}')
+
+
+def test_memory_infeasible_states_smallest_fit(gpt_small, mesh_2x4):
+    m = gpt_small
+    with pytest.raises(MemoryInfeasibleError, match=r"smallest memory that would fit is"):
+        plan(m.fn, m.params, *m.inputs, mesh=mesh_2x4, memory_limit_bytes=1e5)
+
+
+def test_tight_memory_shards_more(gpt_small, mesh_2x4, gpt_plan):
+    m = gpt_small
+    roomy = gpt_plan.predicted["peak_memory_bytes"]
+    tight = plan(m.fn, m.params, *m.inputs, mesh=mesh_2x4, memory_limit_bytes=0.9 * roomy)
+    assert tight.predicted["peak_memory_bytes"] <= 0.9 * roomy
+    assert tight.predicted["step_seconds"] >= gpt_plan.predicted["step_seconds"]
+
+
+def test_axes_that_do_not_divide_are_never_chosen(mesh_2x4):
+    m = zoo.build("gpt", layers=2, d_model=48, heads=6, seq_len=10, batch=6, vocab=250)
+    p = plan(m.fn, m.params, *m.inputs, mesh=mesh_2x4, hardware="tpu-v5e")
+    sizes = dict(mesh_2x4.shape)
+    shapes = {path: leaf.shape for path, leaf in zip(p.param_paths, jax.tree.leaves(m.params))}
+    for path, spec in p.param_paths.items():
+        for dim, axis in zip(shapes[path], spec):
+            assert axis is None or dim % sizes[axis] == 0, (path, spec)
+    assert p.input_paths[0]["arg1"][0] is None or 6 % sizes["data"] == 0
+
+
+def test_unknown_primitive_is_replicated_with_warning(mesh_2x4):
+    w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+
+    def fn(params, x):
+        h = x @ params["w"]
+        vals, _ = jax.lax.top_k(h, 4)
+        return vals.sum()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = plan(fn, {"w": w}, x, mesh=mesh_2x4)
+    assert any("top_k" in str(c.message) for c in caught)
+    assert np.isfinite(p.predicted["step_seconds"])
