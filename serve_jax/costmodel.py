@@ -1,0 +1,301 @@
+"""Roofline step-time model of a decoder-only LLM on one chip, for the serving simulator.
+
+The simulator and the predictive preemption policy both price work with this module: how long a
+prefill of ``n`` tokens takes, how long one decode step of a batch takes, and how long moving KV
+blocks over the host link takes. Figures follow the jax-ml scaling-book conventions::
+
+    T_math = FLOPs / (peak_flops * flops_efficiency)
+    T_hbm  = bytes / (hbm_bandwidth * hbm_efficiency)
+    T_step = max(T_math, T_hbm) + step_overhead_s
+
+FLOPs of a forward pass over ``t`` new tokens are ``2 * P * t`` for the matmuls (``P`` the
+non-embedding parameters plus the output projection) plus ``4 * H * D * L`` per (query, key) pair
+for attention. Bytes are the weights read once per step, the KV cache read by attention and the
+new KV written. Chip figures come from `tapas_jax.hardware` so every cost model of the stack
+agrees; the model shapes are Llama-family presets.
+
+KV capacity: a paged cache of ``block_size`` tokens per block holds
+``floor(kv_bytes / (block_size * kv_bytes_per_token))`` blocks, where ``kv_bytes`` is either given
+(``--kv-memory-gb``) or what is left of HBM after the weights at a memory utilisation fraction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+from tapas_jax.hardware import HardwareProfile, get_profile
+
+__all__ = [
+    "ModelShape",
+    "MODELS",
+    "get_model_shape",
+    "RooflineCostModel",
+    "kv_capacity_blocks",
+    "blocks_for_tokens",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The shape of a Llama-style decoder: enough to count FLOPs and bytes."""
+
+    name: str
+    """Short name used on command lines, e.g. ``llama-7b``."""
+    num_layers: int
+    """Transformer blocks."""
+    hidden_size: int
+    """Model width."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (fewer than query heads under grouped-query attention)."""
+    head_dim: int
+    """Width of one head."""
+    intermediate_size: int
+    """Width of the gated MLP."""
+    vocab_size: int
+    """Vocabulary size (embedding and output projection)."""
+    dtype_bytes: int = 2
+    """Bytes per weight and per KV element (bf16: 2)."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, int) and value <= 0:
+                raise ValueError(f"ModelShape.{field.name} must be positive, got {value}")
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters touched by a matmul per token: blocks plus the output projection."""
+        d, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        q = self.num_heads * self.head_dim
+        attn = d * q + 2 * d * kv + q * d
+        mlp = 3 * d * self.intermediate_size
+        return self.num_layers * (attn + mlp) + d * self.vocab_size
+
+    @property
+    def total_params(self) -> int:
+        """All parameters, the input embedding included (what sits in HBM)."""
+        return self.matmul_params + self.hidden_size * self.vocab_size
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights in HBM."""
+        return self.total_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V of one token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+MODELS: dict[str, ModelShape] = {
+    m.name: m
+    for m in [
+        # Llama-2-7B: 32 layers, d=4096, 32 heads (MHA), MLP 11008, vocab 32000 (6.7B params).
+        ModelShape("llama-7b", 32, 4096, 32, 32, 128, 11008, 32000),
+        # Llama-2-13B: 40 layers, d=5120, 40 heads, MLP 13824.
+        ModelShape("llama-13b", 40, 5120, 40, 40, 128, 13824, 32000),
+        # Llama-3-8B: grouped-query attention with 8 KV heads, vocab 128256.
+        ModelShape("llama3-8b", 32, 4096, 32, 8, 128, 14336, 128256),
+    ]
+}
+
+
+def get_model_shape(name: str | ModelShape) -> ModelShape:
+    """Looks up a model shape by name (case-insensitive); passes a shape through."""
+    if isinstance(name, ModelShape):
+        return name
+    key = name.strip().lower()
+    if key not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
+    return MODELS[key]
+
+
+def kv_capacity_blocks(
+    model: ModelShape | str,
+    hardware: HardwareProfile | str,
+    *,
+    block_size: int = 16,
+    kv_memory_gb: float | None = None,
+    memory_utilization: float = 0.9,
+) -> int:
+    """Number of KV blocks that fit in device memory.
+
+    Args:
+      model: model shape or its name.
+      hardware: hardware profile or its name.
+      block_size: tokens per KV block.
+      kv_memory_gb: bytes (in 1e9) given to the KV cache; None takes
+        ``hbm * memory_utilization - weights`` (vLLM's ``gpu_memory_utilization`` rule).
+      memory_utilization: fraction of HBM the server may use when ``kv_memory_gb`` is None.
+
+    Returns:
+      Whole blocks that fit.
+
+    Raises:
+      ValueError: non-positive sizes, or weights that do not fit the chip.
+    """
+    model, hw = get_model_shape(model), get_profile(hardware)
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if kv_memory_gb is None:
+        if not 0.0 < memory_utilization <= 1.0:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
+        kv_bytes = hw.hbm_bytes * memory_utilization - model.weight_bytes
+        if kv_bytes <= 0:
+            raise ValueError(
+                f"{model.name} weights ({model.weight_bytes / 1e9:.1f} GB) do not fit "
+                f"{hw.name} at memory_utilization={memory_utilization}"
+            )
+    else:
+        if kv_memory_gb <= 0:
+            raise ValueError(f"kv_memory_gb must be positive, got {kv_memory_gb}")
+        kv_bytes = kv_memory_gb * 1e9
+    return int(kv_bytes // (block_size * model.kv_bytes_per_token))
+
+
+@dataclasses.dataclass(frozen=True)
+class RooflineCostModel:
+    """Step times of one model on one chip; also the scheduler's `CostHints`.
+
+    Efficiency factors turn the roofline (a lower bound) into achievable figures; the defaults
+    are typical of well-tuned serving kernels (about 60% of peak FLOP/s in prefill, 80% of HBM
+    bandwidth in decode), and the per-step overhead stands for launch and scheduling costs.
+    """
+
+    model: ModelShape
+    """Model shape."""
+    hardware: HardwareProfile
+    """Chip profile."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    flops_efficiency: float = 0.6
+    """Achieved fraction of peak FLOP/s."""
+    hbm_efficiency: float = 0.8
+    """Achieved fraction of HBM bandwidth."""
+    host_link_bandwidth: float | None = None
+    """Device-to-host B/s for KV offload; None takes the profile's figure."""
+    host_link_efficiency: float = 0.8
+    """Achieved fraction of the host link bandwidth."""
+    transfer_latency_s: float = 2e-5
+    """Fixed cost of one batch of block copies."""
+    step_overhead_s: float = 1e-3
+    """Fixed cost of one engine step (launches, sampling, scheduling)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        for name in ("flops_efficiency", "hbm_efficiency", "host_link_efficiency"):
+            v = getattr(self, name)
+            if not 0.0 < v <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {v}")
+        if self.host_link_bandwidth is not None and self.host_link_bandwidth <= 0:
+            raise ValueError(
+                f"host_link_bandwidth must be positive, got {self.host_link_bandwidth}"
+            )
+        if self.step_overhead_s < 0 or self.transfer_latency_s < 0:
+            raise ValueError("step_overhead_s and transfer_latency_s must be >= 0")
+
+    @classmethod
+    def create(
+        cls, model: str | ModelShape = "llama-7b", hardware: str | HardwareProfile = "h100", **kw
+    ) -> RooflineCostModel:
+        """Builds a cost model from a model name and a hardware name."""
+        return cls(model=get_model_shape(model), hardware=get_profile(hardware), **kw)
+
+    # -- primitive --------------------------------------------------------------------------
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block."""
+        return self.block_size * self.model.kv_bytes_per_token
+
+    def forward_seconds(
+        self, new_tokens: float, attention_pairs: float, kv_read_tokens: float
+    ) -> float:
+        """Time of one forward pass (one engine step) with the given work.
+
+        Args:
+          new_tokens: tokens processed this step (prefill chunks plus one per decode).
+          attention_pairs: (query, key) pairs attention computes over all new tokens.
+          kv_read_tokens: cached tokens whose K and V attention reads from HBM.
+
+        Returns:
+          Seconds, including the fixed per-step overhead; 0 when there is no work.
+        """
+        if new_tokens < 0 or attention_pairs < 0 or kv_read_tokens < 0:
+            raise ValueError("forward_seconds needs non-negative work")
+        if new_tokens == 0:
+            return 0.0
+        m = self.model
+        flops = 2.0 * m.matmul_params * new_tokens
+        flops += 4.0 * m.num_heads * m.head_dim * m.num_layers * attention_pairs
+        kv = m.kv_bytes_per_token
+        bytes_ = m.weight_bytes + kv * (kv_read_tokens + new_tokens)
+        t_math = flops / (self.hardware.peak_flops * self.flops_efficiency)
+        t_hbm = bytes_ / (self.hardware.hbm_bandwidth * self.hbm_efficiency)
+        return max(t_math, t_hbm) + self.step_overhead_s
+
+    # -- CostHints ----------------------------------------------------------------------------
+
+    def prefill_seconds(self, num_tokens: int, cached_tokens: int = 0) -> float:
+        """Time to prefill ``num_tokens`` new tokens after ``cached_tokens`` already in cache."""
+        if num_tokens <= 0:
+            return 0.0
+        n, c = float(num_tokens), float(cached_tokens)
+        pairs = n * c + n * (n + 1) / 2.0
+        return self.forward_seconds(n, pairs, c)
+
+    def decode_seconds(self, batch: int, context_tokens: int) -> float:
+        """Time of one decode step of ``batch`` sequences holding ``context_tokens`` in total."""
+        if batch <= 0:
+            return 0.0
+        return self.forward_seconds(batch, context_tokens, context_tokens)
+
+    def transfer_seconds(self, num_blocks: int) -> float:
+        """Time to copy ``num_blocks`` KV blocks one way over the host link."""
+        if num_blocks <= 0:
+            return 0.0
+        bw = self.host_link_bandwidth or self.hardware.host_link_bandwidth
+        return self.transfer_latency_s + num_blocks * self.block_bytes / (
+            bw * self.host_link_efficiency
+        )
+
+    def step_seconds(
+        self, chunks: Iterable[tuple[int, int]], decode_batch: int = 0, decode_context: int = 0
+    ) -> float:
+        """Time of one mixed step: prefill chunks plus a decode batch in one forward pass.
+
+        Args:
+          chunks: ``(new_tokens, cached_tokens)`` per prefill chunk.
+          decode_batch: sequences decoding one token.
+          decode_context: tokens those sequences hold in cache, in total.
+        """
+        new, pairs, read = float(decode_batch), float(decode_context), float(decode_context)
+        for n, c in chunks:
+            if n < 0 or c < 0:
+                raise ValueError(f"bad prefill chunk ({n}, {c})")
+            new += n
+            pairs += n * c + n * (n + 1) / 2.0
+            read += c
+        return self.forward_seconds(new, pairs, read)
+
+    def kv_capacity_blocks(
+        self, kv_memory_gb: float | None = None, memory_utilization: float = 0.9
+    ) -> int:
+        """KV blocks that fit this chip (see the module function)."""
+        return kv_capacity_blocks(
+            self.model,
+            self.hardware,
+            block_size=self.block_size,
+            kv_memory_gb=kv_memory_gb,
+            memory_utilization=memory_utilization,
+        )
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens."""
+    return math.ceil(max(num_tokens, 0) / block_size)

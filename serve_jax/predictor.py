@@ -1,0 +1,320 @@
+"""Online predictor of a request's remaining output length, and its error bookkeeping.
+
+What it predicts: for a request with prompt length ``p`` that has generated ``g`` tokens so far,
+the distribution of the tokens it still has to generate, ``R = L - g`` where ``L`` is its final
+output length. The estimate is the residual-life distribution of ``L`` given ``L > g``:
+
+- empirical part: completed requests' output lengths, kept in a sliding window per prompt-length
+  bucket (log2 of ``p``) and in one global window. ``E[L - g | L > g]`` and its quantiles come
+  from the samples above ``g`` (sorted list + lazy prefix sums: ``O(log n)`` per query).
+- parametric part: a log-normal fitted online to the same samples (Welford on ``log L``), which
+  starts at a prior (cold start) and answers beyond the largest sample seen (the tail).
+- tail: a request older than every completed request is expected to run on for at least
+  ``tail_factor`` times its age (it has outlived the data; heavy tails make it likely to go on).
+- shrinkage: an estimate backed by ``n`` conditional samples gets weight ``n / (n + k)`` against
+  the level above it (bucket -> global -> log-normal), so a bucket with few samples leans on the
+  global pool and a fresh predictor on the prior.
+
+The prediction moves with every generated token (it is conditioned on ``g``), and the predictor
+learns from every completed request (`observe`). Nothing here reads the request's true length:
+the simulator forces output lengths through ``max_tokens``, so a ``cap`` must only be passed
+where ``max_tokens`` is a user cap, not the answer.
+
+`PredictionLog` records predictions made while requests run (at admission and then at every
+``record_every`` tokens), and when they finish reports MAE and the calibration of the predicted
+quantiles (the fraction of outcomes at or below the q-quantile should be close to q).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from collections import deque
+from statistics import NormalDist
+
+import numpy as np
+
+__all__ = ["Prediction", "RemainingLengthPredictor", "PredictionLog"]
+
+_STD_NORMAL = NormalDist()
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """Predicted remaining output tokens of one request at one moment."""
+
+    mean: float
+    """Expected remaining tokens."""
+    quantiles: dict[float, float]
+    """Remaining tokens at each quantile level (e.g. {0.1: ..., 0.5: ..., 0.9: ...})."""
+
+
+class _Pool:
+    """A sliding window of output lengths, sorted, with lazily rebuilt prefix sums."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.fifo: deque[int] = deque()
+        self.sorted: list[int] = []
+        self._suffix: np.ndarray | None = None  # suffix sums of `sorted`
+        # Welford on log(length) for the log-normal fit.
+        self.n = 0
+        self.mean_log = 0.0
+        self.m2_log = 0.0
+
+    def add(self, length: int) -> None:
+        self.fifo.append(length)
+        bisect.insort(self.sorted, length)
+        self._welford(math.log(max(length, 1)), +1)
+        if len(self.fifo) > self.window:
+            old = self.fifo.popleft()
+            del self.sorted[bisect.bisect_left(self.sorted, old)]
+            self._welford(math.log(max(old, 1)), -1)
+        self._suffix = None
+
+    def _welford(self, x: float, sign: int) -> None:
+        if sign > 0:
+            self.n += 1
+            d = x - self.mean_log
+            self.mean_log += d / self.n
+            self.m2_log += d * (x - self.mean_log)
+        else:
+            if self.n <= 1:
+                self.n, self.mean_log, self.m2_log = 0, 0.0, 0.0
+                return
+            d = x - self.mean_log
+            self.mean_log -= d / (self.n - 1)
+            self.m2_log -= d * (x - self.mean_log)
+            self.n -= 1
+            self.m2_log = max(self.m2_log, 0.0)
+
+    def above(self, g: int) -> tuple[int, int, float]:
+        """(start index, count, sum) of the samples strictly greater than ``g``."""
+        i = bisect.bisect_right(self.sorted, g)
+        count = len(self.sorted) - i
+        if count == 0:
+            return i, 0, 0.0
+        if self._suffix is None:
+            arr = np.asarray(self.sorted, dtype=np.float64)
+            self._suffix = np.concatenate([np.cumsum(arr[::-1])[::-1], [0.0]])
+        return i, count, float(self._suffix[i])
+
+    def residual_quantile(self, start: int, count: int, g: int, q: float) -> float:
+        pos = start + q * (count - 1)
+        lo = int(math.floor(pos))
+        hi = min(lo + 1, len(self.sorted) - 1)
+        frac = pos - lo
+        return (1 - frac) * self.sorted[lo] + frac * self.sorted[hi] - g
+
+
+class RemainingLengthPredictor:
+    """Online remaining-output-length predictor (see the module docstring).
+
+    Args:
+      prior_median: median output length assumed before any request completes.
+      prior_sigma: log-space standard deviation of the prior log-normal.
+      prior_strength: pseudo-samples the prior counts for in the log-normal fit.
+      shrinkage: ``k`` in the ``n / (n + k)`` weight of an empirical estimate.
+      window: completed requests kept per pool (older ones are forgotten: drift).
+      quantiles: quantile levels reported by `predict`.
+      tail_factor: a request older than every completed one is expected to run on for at
+        least this fraction of its age.
+    """
+
+    def __init__(
+        self,
+        *,
+        prior_median: float = 256.0,
+        prior_sigma: float = 1.0,
+        prior_strength: float = 8.0,
+        shrinkage: float = 16.0,
+        window: int = 4096,
+        quantiles: tuple[float, ...] = (0.1, 0.5, 0.9),
+        tail_factor: float = 0.5,
+    ):
+        if prior_median <= 0 or prior_sigma <= 0:
+            raise ValueError("prior_median and prior_sigma must be positive")
+        if shrinkage < 0 or prior_strength < 0 or window <= 0:
+            raise ValueError("shrinkage and prior_strength must be >= 0 and window positive")
+        if not all(0.0 < q < 1.0 for q in quantiles):
+            raise ValueError(f"quantile levels must be in (0, 1), got {quantiles}")
+        self.prior_mu = math.log(prior_median)
+        self.prior_sigma = prior_sigma
+        self.prior_strength = prior_strength
+        self.shrinkage = shrinkage
+        self.window = window
+        self.quantile_levels = tuple(quantiles)
+        if tail_factor < 0:
+            raise ValueError(f"tail_factor must be >= 0, got {tail_factor}")
+        self.tail_factor = tail_factor
+        self.global_pool = _Pool(window)
+        self.buckets: dict[int, _Pool] = {}
+        self.num_observed = 0
+
+    @staticmethod
+    def bucket_of(prompt_len: int) -> int:
+        """Prompt-length bucket: floor(log2(prompt_len))."""
+        return max(int(prompt_len), 1).bit_length() - 1
+
+    def observe(self, prompt_len: int, output_len: int) -> None:
+        """Learns from one completed request."""
+        if output_len < 0 or prompt_len < 0:
+            raise ValueError(f"bad completed request: prompt {prompt_len}, output {output_len}")
+        output_len = max(int(output_len), 1)
+        self.global_pool.add(output_len)
+        b = self.bucket_of(prompt_len)
+        if b not in self.buckets:
+            self.buckets[b] = _Pool(self.window)
+        self.buckets[b].add(output_len)
+        self.num_observed += 1
+
+    # -- the parametric (log-normal) level -----------------------------------------------------
+
+    def _lognormal(self) -> tuple[float, float]:
+        """Log-normal (mu, sigma) of the global pool, shrunk towards the prior."""
+        pool, k = self.global_pool, self.prior_strength
+        n = pool.n
+        mu = (n * pool.mean_log + k * self.prior_mu) / (n + k) if n + k > 0 else self.prior_mu
+        var = (pool.m2_log + k * self.prior_sigma**2) / (n + k) if n + k > 0 else 0.0
+        return mu, max(math.sqrt(var), 1e-3)
+
+    @staticmethod
+    def _lognormal_residual(mu: float, sigma: float, g: int, levels) -> tuple[float, list[float]]:
+        # Residual life of a log-normal L given L > g.
+        if g <= 0:
+            mean = math.exp(mu + sigma**2 / 2)
+            qs = [math.exp(mu + sigma * _STD_NORMAL.inv_cdf(q)) for q in levels]
+            return mean, qs
+        z = (math.log(g) - mu) / sigma
+        surv = 1.0 - _STD_NORMAL.cdf(z)
+        if surv < 1e-12:
+            # Far beyond the fitted distribution: the residual of the tail is about
+            # g * sigma^2 / (log g - mu) (Mills ratio); keep it at least one token.
+            mean = max(g * sigma**2 / max(math.log(g) - mu, 1e-6), 1.0)
+            return mean, [mean * (q / 0.5) for q in levels]
+        partial = _STD_NORMAL.cdf(sigma - z)  # E[L 1{L>g}] / exp(mu + s^2/2)
+        mean = math.exp(mu + sigma**2 / 2) * partial / surv - g
+        base = _STD_NORMAL.cdf(z)
+        qs = []
+        for q in levels:
+            p = min(base + q * surv, 1.0 - 1e-12)
+            qs.append(max(math.exp(mu + sigma * _STD_NORMAL.inv_cdf(p)) - g, 0.0))
+        return max(mean, 1.0), qs
+
+    # -- prediction --------------------------------------------------------------------------
+
+    def _blend(self, pool: _Pool | None, g: int, levels, fallback):
+        mean_fb, qs_fb = fallback
+        if pool is None:
+            return fallback
+        start, count, total = pool.above(g)
+        if count == 0:
+            return fallback
+        w = count / (count + self.shrinkage) if self.shrinkage > 0 else 1.0
+        mean = total / count - g
+        qs = [pool.residual_quantile(start, count, g, q) for q in levels]
+        return (
+            w * mean + (1 - w) * mean_fb,
+            [w * a + (1 - w) * b for a, b in zip(qs, qs_fb)],
+        )
+
+    def predict(
+        self,
+        prompt_len: int,
+        generated: int,
+        *,
+        cap: int | None = None,
+        levels: tuple[float, ...] | None = None,
+    ) -> Prediction:
+        """Remaining output tokens of a request.
+
+        Args:
+          prompt_len: prompt tokens.
+          generated: output tokens generated so far.
+          cap: most tokens the request may still generate (``max_tokens - generated``) when that
+            is a real user cap; None when unknown.
+          levels: quantile levels; default the predictor's.
+
+        Returns:
+          A `Prediction` (at least one token remaining; never above ``cap``).
+        """
+        if generated < 0 or prompt_len < 0:
+            raise ValueError(f"bad request state: prompt {prompt_len}, generated {generated}")
+        levels = self.quantile_levels if levels is None else levels
+        mu, sigma = self._lognormal()
+        est = self._lognormal_residual(mu, sigma, generated, levels)
+        est = self._blend(self.global_pool, generated, levels, est)
+        est = self._blend(self.buckets.get(self.bucket_of(prompt_len)), generated, levels, est)
+        mean, qs = est
+        pool = self.global_pool.sorted
+        if pool and generated >= pool[-1] and self.tail_factor > 0:
+            # Older than every completed request: the data says nothing, and a request that
+            # has outlived all predictions tends to run on (heavy tails). Expect another
+            # ``tail_factor`` of its age rather than the near-zero residual of the fit.
+            floor = self.tail_factor * generated
+            if mean < floor:
+                scale = floor / mean
+                mean, qs = floor, [v * scale for v in qs]
+        lo = 1.0
+        hi = float(cap) if cap is not None else math.inf
+        hi = max(hi, lo)
+        mean = min(max(mean, lo), hi)
+        return Prediction(mean, {q: min(max(v, lo), hi) for q, v in zip(levels, qs)})
+
+    def expected_remaining(self, prompt_len: int, generated: int, cap: int | None = None) -> float:
+        """Expected remaining output tokens (the mean of `predict`)."""
+        return self.predict(prompt_len, generated, cap=cap, levels=()).mean
+
+
+class PredictionLog:
+    """Records predictions while requests run; scores them when the requests finish.
+
+    Args:
+      predictor: the predictor being scored.
+      record_every: record a prediction at admission and then every this many tokens.
+    """
+
+    def __init__(self, predictor: RemainingLengthPredictor, record_every: int = 64):
+        if record_every <= 0:
+            raise ValueError(f"record_every must be positive, got {record_every}")
+        self.predictor = predictor
+        self.record_every = record_every
+        self._open: dict[str, list[tuple[int, Prediction]]] = {}
+        self.abs_errors: list[float] = []
+        self.rel_errors: list[float] = []
+        self.covered: dict[float, int] = {q: 0 for q in predictor.quantile_levels}
+        self.num_scored = 0
+
+    def maybe_record(self, request_id: str, prompt_len: int, generated: int) -> None:
+        """Records a prediction if ``generated`` is on the recording grid."""
+        if generated % self.record_every:
+            return
+        rows = self._open.setdefault(request_id, [])
+        if not rows or rows[-1][0] != generated:
+            rows.append((generated, self.predictor.predict(prompt_len, generated)))
+
+    def finish(self, request_id: str, output_len: int) -> None:
+        """Scores the recorded predictions of a finished request against its true length."""
+        for generated, pred in self._open.pop(request_id, []):
+            actual = output_len - generated
+            if actual <= 0:
+                continue
+            err = abs(pred.mean - actual)
+            self.abs_errors.append(err)
+            self.rel_errors.append(err / actual)
+            for q, v in pred.quantiles.items():
+                self.covered[q] += int(actual <= v)
+            self.num_scored += 1
+
+    def summary(self) -> dict[str, float]:
+        """MAE (tokens), mean relative error, and observed coverage of each quantile."""
+        n = self.num_scored
+        out: dict[str, float] = {
+            "predictions_scored": float(n),
+            "mae_tokens": float(np.mean(self.abs_errors)) if n else float("nan"),
+            "mean_relative_error": float(np.mean(self.rel_errors)) if n else float("nan"),
+        }
+        for q, c in self.covered.items():
+            out[f"coverage_q{int(round(q * 100)):02d}"] = c / n if n else float("nan")
+        return out

@@ -1,0 +1,413 @@
+"""Preemption policies: three baselines faithful to the systems they name, and ``predictive``.
+
+All policies implement `serve_jax.scheduler.VictimPolicy`: when the running requests need more
+device blocks than are free, the scheduler hands them a `SchedulerView` and applies the
+``(request, PreemptMode)`` pairs they return.
+
+- ``fcfs_last`` (vLLM V1, `serve_jax.scheduler.FcfsLastPolicy`): the most recently admitted
+  running request, by recompute; the scheduler asks again while blocks are short.
+- ``fewest_output`` (SGLang ``ScheduleBatch.retract_decode``): running requests sorted by
+  (output tokens descending, prompt tokens ascending); pop from the back (fewest output tokens,
+  longest prompt on ties) until the shortfall is covered *and* the blocks left over give every
+  remaining request ``retract_decode_steps`` (20) more tokens; always keep one. Recompute.
+- ``least_computed``: fewest computed tokens first (the cheapest to recompute), latest admission
+  on ties, until the shortfall is covered. Recompute.
+- ``predictive`` (ours): an online remaining-length predictor (`serve_jax.predictor`) gives each
+  request a predicted remaining length ``r``. The running set's *predicted peak demand* is
+  ``max_h sum_{i: r_i >= h} (c_i + h)`` tokens (``c_i`` its tokens now; requests that finish free
+  their memory). Victims are taken in order of longest predicted remaining length (they hold and
+  grow memory longest; a delay spreads over many tokens of their TPOT) until the shortfall is
+  covered and the predicted peak of the requests left fits the device: the memory freed lasts
+  until the predicted horizon. Each victim is offloaded or recomputed, whichever costs less:
+  recompute = re-prefilling its computed tokens; offload = the restore on the critical path plus
+  the part of the offload that does not overlap the next step's compute.
+  The same peak-demand test gates admission (`PredictiveAdmission`): a waiting or offloaded
+  request joins only when the predicted peak with it fits, so a victim is not re-admitted into
+  the memory that was just freed for the others (the cascade of the baselines).
+
+Admission gating needs a hook the engine's scheduler does not have, so `GatedScheduler` adds it:
+a `Scheduler` whose queues, as seen by one ``schedule`` call, are cut to the prefix a policy's
+``admission_limit`` allows. With a policy that has no gate it is exactly `Scheduler`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from serve_jax.predictor import PredictionLog, RemainingLengthPredictor
+from serve_jax.scheduler import (
+    FcfsLastPolicy,
+    PreemptMode,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerView,
+    VictimPolicy,
+)
+
+__all__ = [
+    "FcfsLastPolicy",
+    "FewestOutputPolicy",
+    "LeastComputedPolicy",
+    "PredictivePolicy",
+    "GatedScheduler",
+    "POLICY_NAMES",
+    "get_policy",
+    "predicted_peak_tokens",
+]
+
+POLICY_NAMES = ("fcfs_last", "fewest_output", "least_computed", "predictive")
+
+
+class FewestOutputPolicy(VictimPolicy):
+    """SGLang's retract: fewest output tokens first (longest prompt on ties), with a buffer.
+
+    Args:
+      retract_decode_steps: after retracting, the free blocks must give each remaining request
+        this many more tokens (SGLang's ``global_config.retract_decode_steps``, 20).
+    """
+
+    name = "fewest_output"
+
+    def __init__(self, retract_decode_steps: int = 20):
+        if retract_decode_steps < 0:
+            raise ValueError(f"retract_decode_steps must be >= 0, got {retract_decode_steps}")
+        self.retract_decode_steps = retract_decode_steps
+
+    def select_victims(self, view: SchedulerView) -> list[tuple[Request, PreemptMode]]:
+        # SGLang sorts (len(output_ids), -len(origin_input_ids)) descending and pops the back.
+        order = sorted(
+            view.running,
+            key=lambda r: (r.num_output_tokens, -r.num_prompt_tokens),
+            reverse=True,
+        )
+        victims: list[tuple[Request, PreemptMode]] = []
+        freed = 0
+        while len(order) > 1:
+            spare_tokens = (freed - view.blocks_needed) * view.block_size
+            if victims and spare_tokens >= len(order) * self.retract_decode_steps:
+                break
+            req = order.pop()
+            victims.append((req, PreemptMode.RECOMPUTE))
+            freed += view.device_blocks_held.get(req.request_id, 0)
+        return victims
+
+
+class LeastComputedPolicy(VictimPolicy):
+    """Fewest computed tokens first (cheapest recompute), latest admission on ties."""
+
+    name = "least_computed"
+
+    def select_victims(self, view: SchedulerView) -> list[tuple[Request, PreemptMode]]:
+        order = sorted(view.running, key=lambda r: (r.num_computed_tokens, -r.admission_seq))
+        victims: list[tuple[Request, PreemptMode]] = []
+        freed = 0
+        for req in order:
+            if freed >= view.blocks_needed:
+                break
+            victims.append((req, PreemptMode.RECOMPUTE))
+            freed += view.device_blocks_held.get(req.request_id, 0)
+        return victims
+
+
+def predicted_peak_tokens(items: list[tuple[float, float]]) -> float:
+    """Peak of ``sum_{i: r_i >= h} (c_i + h)`` over horizons ``h >= 0``.
+
+    Args:
+      items: ``(c_i, r_i)``: tokens held now and predicted remaining tokens of each request.
+
+    Returns:
+      The predicted peak number of tokens held at once (requests free their memory when done).
+    """
+    if not items:
+        return 0.0
+    best, prefix_c = 0.0, 0.0
+    ordered = sorted(items, key=lambda x: -x[1])
+    for k, (c, r) in enumerate(ordered):
+        prefix_c += c
+        # Just before the request with the k-th longest remaining length finishes, the k+1
+        # requests with r >= r_k are all alive and each has grown by r_k tokens.
+        best = max(best, prefix_c + (k + 1) * r)
+    return max(best, sum(c for c, _ in items))
+
+
+class _PredState:
+    """Per-request predictor state kept in ``Request.predictor_state``."""
+
+    __slots__ = ("generated_at_refresh", "remaining_at_refresh", "gate_at_refresh")
+
+    def __init__(self) -> None:
+        self.generated_at_refresh = -1
+        self.remaining_at_refresh = 0.0
+        self.gate_at_refresh = 0.0
+
+
+class PredictivePolicy(VictimPolicy):
+    """Predictor-driven, memory-aware victims and admission; per-victim offload or recompute.
+
+    Args:
+      predictor: the online remaining-length predictor (a fresh one by default: cold start).
+      gate_quantile: quantile of the remaining length used for the admission test (higher is
+        more conservative: fewer preemptions, smaller batches).
+      headroom: fraction of the device blocks kept free in the admission test.
+      refresh_tokens: the prediction is re-conditioned on the tokens generated every this many
+        tokens, and counted down by one in between.
+      allow_offload: consider offload (else recompute only).
+      gate: gate admission (False leaves only victim selection, for ablations).
+      record_every: predictions are logged for error reports every this many tokens.
+    """
+
+    name = "predictive"
+
+    def __init__(
+        self,
+        predictor: RemainingLengthPredictor | None = None,
+        *,
+        gate_quantile: float = 0.7,
+        headroom: float = 0.0,
+        refresh_tokens: int = 16,
+        allow_offload: bool = True,
+        gate: bool = True,
+        record_every: int = 64,
+    ):
+        if not 0.0 < gate_quantile < 1.0:
+            raise ValueError(f"gate_quantile must be in (0, 1), got {gate_quantile}")
+        if not 0.0 <= headroom < 1.0:
+            raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+        if refresh_tokens < 1:
+            raise ValueError(f"refresh_tokens must be >= 1, got {refresh_tokens}")
+        self.predictor = predictor or RemainingLengthPredictor()
+        self.gate_quantile = gate_quantile
+        self.headroom = headroom
+        self.refresh_tokens = refresh_tokens
+        self.allow_offload = allow_offload
+        self.gate = gate
+        self.log = PredictionLog(self.predictor, record_every=record_every)
+        self._total_blocks: int | None = None
+        self._block_size = 16
+        if not gate:
+            self.name = "predictive_nogate"
+
+    # -- predictor bookkeeping ---------------------------------------------------------------
+
+    def _state(self, req: Request) -> _PredState:
+        st = req.predictor_state
+        if not isinstance(st, _PredState):
+            st = _PredState()
+            req.predictor_state = st
+        return st
+
+    def remaining(self, req: Request) -> tuple[float, float]:
+        """(mean, gate-quantile) predicted remaining output tokens of ``req``."""
+        st = self._state(req)
+        g = req.num_output_tokens
+        if st.generated_at_refresh < 0 or g - st.generated_at_refresh >= self.refresh_tokens:
+            pred = self.predictor.predict(req.num_prompt_tokens, g, levels=(self.gate_quantile,))
+            st.generated_at_refresh = g
+            st.remaining_at_refresh = pred.mean
+            st.gate_at_refresh = pred.quantiles[self.gate_quantile]
+        done = g - st.generated_at_refresh
+        return max(st.remaining_at_refresh - done, 1.0), max(st.gate_at_refresh - done, 1.0)
+
+    def on_admitted(self, req: Request, now: float) -> None:
+        self.log.maybe_record(req.request_id, req.num_prompt_tokens, req.num_output_tokens)
+
+    def on_tokens(self, req: Request, now: float) -> None:
+        self.log.maybe_record(req.request_id, req.num_prompt_tokens, req.num_output_tokens)
+
+    def on_finished(self, req: Request, now: float) -> None:
+        if req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            self.predictor.observe(req.num_prompt_tokens, req.num_output_tokens)
+            self.log.finish(req.request_id, req.num_output_tokens)
+        else:
+            self.log.finish(req.request_id, -1)  # aborted: nothing to score
+
+    # -- victims -----------------------------------------------------------------------------
+
+    def _mode(self, view: SchedulerView, req: Request, held: int, host_left: int) -> PreemptMode:
+        if not self.allow_offload or held == 0 or held > host_left or req.num_computed_tokens == 0:
+            return PreemptMode.RECOMPUTE
+        costs = view.costs
+        recompute = costs.prefill_seconds(req.num_computed_tokens)
+        context = sum(r.num_tokens for r in view.running)
+        step = costs.decode_seconds(len(view.running), context)
+        transfer = costs.transfer_seconds(held)
+        # The offload runs behind the next step's compute; the restore sits before a step.
+        offload = max(transfer - step, 0.0) + transfer
+        return PreemptMode.OFFLOAD if offload < recompute else PreemptMode.RECOMPUTE
+
+    def select_victims(self, view: SchedulerView) -> list[tuple[Request, PreemptMode]]:
+        if not view.running:
+            return []
+        capacity = self._capacity_tokens(view)
+        rem = {r.request_id: self.remaining(r)[0] for r in view.running}
+        # Longest predicted remaining first; fewer computed tokens (cheaper) on ties.
+        order = sorted(
+            view.running, key=lambda r: (-rem[r.request_id], r.num_computed_tokens, r.request_id)
+        )
+        keep = {r.request_id: r for r in view.running}
+        victims: list[tuple[Request, PreemptMode]] = []
+        freed = 0
+        host_left = view.free_host_blocks
+        for req in order:
+            if len(keep) <= 1:
+                break
+            if freed >= view.blocks_needed:
+                items = [(float(r.num_tokens), rem[r.request_id]) for r in keep.values()]
+                if predicted_peak_tokens(items) <= capacity:
+                    break
+            held = view.device_blocks_held.get(req.request_id, 0)
+            mode = self._mode(view, req, held, host_left)
+            if mode == PreemptMode.OFFLOAD:
+                host_left -= held
+            victims.append((req, mode))
+            freed += held
+            del keep[req.request_id]
+        return victims
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def attach(self, sched: Scheduler) -> None:
+        """Learns the device pool size (called by `GatedScheduler` at construction)."""
+        self._total_blocks = sched.blocks.device.num_blocks
+        self._block_size = sched.block_size
+
+    def _capacity_tokens(self, view: SchedulerView | None = None) -> float:
+        total = self._total_blocks
+        if total is None:
+            if view is None:
+                raise RuntimeError("PredictivePolicy: attach() it to a scheduler first")
+            # Not attached (a plain Scheduler): what the running set holds plus what is free.
+            total = view.free_device_blocks + sum(view.device_blocks_held.values())
+        bs = view.block_size if view is not None else self._block_size
+        return total * bs * (1.0 - self.headroom)
+
+    def admission_limit(self, sched: Scheduler) -> int:
+        """How many requests at the head of [offloaded..., waiting...] may be admitted now."""
+        queued = len(sched.offloaded) + len(sched.waiting)
+        if not self.gate or queued == 0:
+            return queued
+        head = sched.offloaded[0] if sched.offloaded else sched.waiting[0]
+        if sched.blocks.num_blocks_for(head.num_tokens) > sched.blocks.device.num_free:
+            # Not even the head's KV fits what is free now; nothing can be admitted this step
+            # (and nothing may take the blocks a preemption frees in it).
+            return 0
+        if self._total_blocks is None:
+            self.attach(sched)
+        capacity = self._capacity_tokens()
+        bs = sched.block_size
+        items = []
+        for r in sched.running:
+            _, q = self.remaining(r)
+            items.append((float(r.num_tokens + bs), q))  # + one block of rounding slack
+        allowed = 0
+        for req in _chain(sched.offloaded, sched.waiting):
+            _, q = self.remaining(req)
+            trial = items + [(float(req.num_tokens + bs), q)]
+            if items and predicted_peak_tokens(trial) > capacity:
+                break
+            items = trial
+            allowed += 1
+            if len(items) >= sched.max_num_seqs:
+                break
+        return allowed
+
+
+def _chain(*queues):
+    for q in queues:
+        yield from q
+
+
+class GatedScheduler(Scheduler):
+    """`Scheduler` that lets the policy gate admission (``policy.admission_limit(self)``).
+
+    For one ``schedule`` call, the offloaded and waiting queues are cut to the prefix (in the
+    order [offloaded..., waiting...]) the policy allows; the rest is put back afterwards, behind
+    whatever the step requeued, so queue order is preserved. Victims of a gating policy are
+    held out of the rest of the step in which they were preempted (the gate was evaluated before
+    they were requeued; the next step's gate decides when they come back).
+
+    Args:
+      *args, **kwargs: as `Scheduler`.
+      no_admission_after_preemption: vLLM V1's rule (``if not preempted_reqs``): a step that
+        preempted admits no waiting request. Off by default (the engine's `Scheduler` admits).
+
+    With a policy that has no ``admission_limit`` and the rule off, this is `Scheduler`.
+    """
+
+    def __init__(self, *args: Any, no_admission_after_preemption: bool = False, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.no_admission_after_preemption = no_admission_after_preemption
+        self._held_waiting: list[Request] = []
+        self._held_offloaded: list[Request] = []
+        self._gating = hasattr(self.policy, "admission_limit")
+        attach = getattr(self.policy, "attach", None)
+        if attach is not None:
+            attach(self)
+
+    def _preempt(self, req, mode, now, out) -> None:
+        super()._preempt(req, mode, now, out)
+        if self.no_admission_after_preemption:
+            # Everything waiting (the victim at its front) sits this step out.
+            self._held_waiting = list(self.waiting) + self._held_waiting
+            self.waiting.clear()
+        elif self._gating:
+            if self.waiting and self.waiting[0] is req:
+                self._held_waiting.insert(0, self.waiting.popleft())
+        if self._gating and self.offloaded and self.offloaded[-1] is req:
+            self._held_offloaded.append(self.offloaded.pop())
+
+    def schedule(self, now: float):
+        """`Scheduler.schedule` with the queues cut to what the policy admits."""
+        limit = self.policy.admission_limit(self) if self._gating else None
+        hidden_off: list[Request] = []
+        hidden_wait: list[Request] = []
+        if limit is not None:
+            limit = int(limit)
+            n_off = len(self.offloaded)
+            if limit < n_off:
+                hidden_off = list(self.offloaded)[limit:]
+                self.offloaded = deque(list(self.offloaded)[:limit])
+                hidden_wait = list(self.waiting)
+                self.waiting = deque()
+            elif limit < n_off + len(self.waiting):
+                keep = limit - n_off
+                hidden_wait = list(self.waiting)[keep:]
+                self.waiting = deque(list(self.waiting)[:keep])
+        self._held_waiting, self._held_offloaded = [], []
+        try:
+            out = super().schedule(now)
+        finally:
+            self.offloaded.extend(hidden_off)
+            self.offloaded.extend(self._held_offloaded)
+            self.waiting = deque(self._held_waiting + list(self.waiting) + hidden_wait)
+            self._held_waiting, self._held_offloaded = [], []
+        return out
+
+
+def get_policy(name: str, **kwargs: Any) -> VictimPolicy:
+    """A fresh policy by name.
+
+    Args:
+      name: ``fcfs_last``, ``fewest_output``, ``least_computed``, ``predictive`` (or
+        ``predictive_nogate``, predictive victims without the admission gate, for ablations).
+      **kwargs: passed to the policy's constructor.
+
+    Raises:
+      ValueError: an unknown name.
+    """
+    key = name.strip().lower()
+    if key == "fcfs_last":
+        return FcfsLastPolicy(**kwargs)
+    if key == "fewest_output":
+        return FewestOutputPolicy(**kwargs)
+    if key == "least_computed":
+        return LeastComputedPolicy(**kwargs)
+    if key == "predictive":
+        return PredictivePolicy(**kwargs)
+    if key == "predictive_nogate":
+        return PredictivePolicy(gate=False, **kwargs)
+    raise ValueError(
+        f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)} (and predictive_nogate)"
+    )

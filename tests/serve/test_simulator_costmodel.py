@@ -1,0 +1,54 @@
+"""Roofline cost model of the simulator: shapes, regimes, capacity, host link."""
+
+from __future__ import annotations
+
+import pytest
+
+from serve_jax.costmodel import RooflineCostModel, get_model_shape, kv_capacity_blocks
+from tapas_jax.hardware import get_profile
+
+
+def test_llama_7b_shape():
+    m = get_model_shape("llama-7b")
+    assert m.total_params == pytest.approx(6.74e9, rel=0.01)
+    assert m.kv_bytes_per_token == 2 * 32 * 4096 * 2
+
+
+def test_decode_is_memory_bound_and_prefill_compute_bound():
+    c = RooflineCostModel.create("llama-7b", "h100")
+    hw, m = get_profile("h100"), get_model_shape("llama-7b")
+    t_hbm = (m.weight_bytes + m.kv_bytes_per_token * 1) / (hw.hbm_bandwidth * 0.8)
+    assert c.decode_seconds(1, 0) == pytest.approx(t_hbm + 1e-3, rel=1e-6)
+    n = 4096
+    flops = 2 * m.matmul_params * n + 4 * 32 * 128 * 32 * n * (n + 1) / 2
+    assert c.prefill_seconds(n) == pytest.approx(flops / (hw.peak_flops * 0.6) + 1e-3, rel=1e-6)
+    # More context makes a decode step slower; a bigger batch costs little when memory-bound.
+    assert c.decode_seconds(8, 8 * 4000) > c.decode_seconds(8, 8 * 100)
+    assert c.decode_seconds(8, 800) < 1.2 * c.decode_seconds(1, 100)
+
+
+def test_chips_rank_as_their_bandwidth():
+    t = {hw: RooflineCostModel.create("llama-7b", hw).decode_seconds(16, 16000) for hw in
+         ("h100", "h200", "tpu-v5e")}  # fmt: skip
+    assert t["h200"] < t["h100"] < t["tpu-v5e"]
+
+
+def test_kv_capacity_and_transfer():
+    assert kv_capacity_blocks("llama-7b", "h100", kv_memory_gb=8) == 8e9 // (16 * 524288)
+    # From HBM: 90% of 80 GB minus 13.5 GB of weights.
+    free = 80e9 * 0.9 - get_model_shape("llama-7b").weight_bytes
+    assert kv_capacity_blocks("llama-7b", "h100") == int(free // (16 * 524288))
+    c = RooflineCostModel.create("llama-7b", "h100")
+    assert c.transfer_seconds(100) == pytest.approx(2e-5 + 100 * 16 * 524288 / (5e10 * 0.8))
+    assert c.transfer_seconds(0) == 0.0
+
+
+def test_bad_inputs_name_the_problem():
+    with pytest.raises(ValueError, match="unknown model"):
+        get_model_shape("gpt-9")
+    with pytest.raises(ValueError, match="do not fit"):
+        kv_capacity_blocks("llama-13b", "tpu-v5e")
+    with pytest.raises(ValueError, match="kv_memory_gb"):
+        kv_capacity_blocks("llama-7b", "h100", kv_memory_gb=0)
+    with pytest.raises(ValueError, match="flops_efficiency"):
+        RooflineCostModel.create("llama-7b", "h100", flops_efficiency=2.0)
