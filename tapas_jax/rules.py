@@ -226,9 +226,17 @@ def follow_operand(eqn: Eqn, graph: Graph, constant: Sequence[bool] | None = Non
             v = eqn.invars[k]
             if v is not None and graph.shapes[v] == out_shape:
                 return k
-        for k, v in enumerate(eqn.invars):
-            if v is not None and graph.shapes[v] == out_shape:
-                return k
+        # size-1 broadcasting (e.g. a one-hot ``labels[..., None] == iota``): the biggest
+        # non-constant operand of the same rank
+        same_rank = [
+            (math.prod(graph.shapes[v]), k)
+            for k, v in enumerate(eqn.invars)
+            if v is not None
+            and len(graph.shapes[v]) == len(out_shape)
+            and (constant is None or not constant[v])
+        ]
+        if same_rank:
+            return max(same_rank)[1]
         return None
     if p in FOLLOWERS:
         if eqn.invars and eqn.invars[0] is not None:
