@@ -152,7 +152,7 @@ def test_no_preemption_matches_reference():
     arrivals = make_requests(rng, 6, 20, 10)
     finished, by_id = drive(sched, ex, arrivals)
     assert set(finished) == set(by_id)
-    for rid, req in by_id.items():
+    for req in by_id.values():
         assert req.output_token_ids == reference(req.prompt_token_ids, req.max_tokens)
         assert req.status == RequestStatus.FINISHED_LENGTH
         assert req.num_preemptions == 0
@@ -237,9 +237,7 @@ def test_randomized_invariants_and_outputs(seed):
     bs = rng.choice([1, 2, 4])
     num_dev = rng.randint(12, 24) // bs * 1 + 6
     num_host = rng.choice([0, 4, 40])
-    policy = rng.choice(
-        [FcfsLastPolicy(), FcfsLastPolicy(PreemptMode.OFFLOAD), RandomPolicy(seed)]
-    )
+    policy = rng.choice([FcfsLastPolicy(), FcfsLastPolicy(PreemptMode.OFFLOAD), RandomPolicy(seed)])
     sched = Scheduler(
         num_dev,
         num_host,

@@ -1,0 +1,114 @@
+"""Engine and server configuration: frozen dataclasses loaded from ``configs/serve/*.yaml``.
+
+Load with ``load_engine_config("tiny_cpu", ["cache.num_device_blocks=64"])`` (a preset name or a
+YAML path, then dotted overrides); unknown keys are errors naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+
+from tapas_jax.config import load_config, preset_path
+
+__all__ = [
+    "ModelSection",
+    "CacheSection",
+    "SchedulerSection",
+    "ExecutorSection",
+    "ServerSection",
+    "EngineConfig",
+    "load_engine_config",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Which model to serve."""
+
+    preset: str = "tiny"
+    """Model preset (tiny, small, llama-7b)."""
+    dtype: str = "float32"
+    """Parameter dtype (float32 on CPU, bfloat16 on accelerators)."""
+    seed: int = 0
+    """Random-init seed (when no checkpoint is given)."""
+    checkpoint: str | None = None
+    """A safetensors file written by serve_jax.model.save_safetensors; None: random init."""
+    tokenizer: str | None = None
+    """A local tokenizer.json; None: the byte tokenizer."""
+    max_seq_len: int | None = None
+    """Override of the preset's context length."""
+    name: str = "serve-jax"
+    """Model id reported by /v1/models and accepted in requests."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSection:
+    """Paged KV cache sizes."""
+
+    block_size: int = 16
+    """Tokens per page."""
+    num_device_blocks: int = 256
+    """Pages in device memory."""
+    num_host_blocks: int = 256
+    """Pages in host (pinned) memory for offload; 0 disables the host tier."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerSection:
+    """Batching and preemption."""
+
+    max_num_seqs: int = 16
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 256
+    """Token budget per step (chunked prefill)."""
+    policy: str = "fcfs_last"
+    """Victim policy name (fcfs_last; others when serve_jax.preemption is present)."""
+    preempt_mode: str = "recompute"
+    """Mode of fcfs_last victims: recompute or offload."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorSection:
+    """Padding of the jitted step's shapes (each distinct shape compiles once)."""
+
+    min_batch: int = 1
+    """Smallest padded batch (batches are padded to powers of two at least this)."""
+    min_chunk: int = 1
+    """Smallest padded prefill chunk length (decodes are length 1)."""
+    min_table_blocks: int = 1
+    """Smallest padded block-table width."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSection:
+    """HTTP server."""
+
+    host: str = "127.0.0.1"
+    """Bind address (loopback by default)."""
+    port: int = 8000
+    """TCP port."""
+    max_queue: int = 256
+    """Most unfinished requests; beyond it requests get 503 with Retry-After."""
+    retry_after_s: int = 1
+    """Retry-After seconds on 503."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Everything `serve_jax.engine.Engine` and the server need."""
+
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    cache: CacheSection = dataclasses.field(default_factory=CacheSection)
+    scheduler: SchedulerSection = dataclasses.field(default_factory=SchedulerSection)
+    executor: ExecutorSection = dataclasses.field(default_factory=ExecutorSection)
+    server: ServerSection = dataclasses.field(default_factory=ServerSection)
+
+
+def load_engine_config(
+    name_or_path: str | os.PathLike | None = None, overrides: Iterable[str] = ()
+) -> EngineConfig:
+    """An `EngineConfig` from a preset name or YAML path (None: defaults) and dotted overrides."""
+    path = preset_path("serve", name_or_path) if name_or_path is not None else None
+    return load_config(EngineConfig, path, list(overrides))

@@ -1,0 +1,387 @@
+"""The serving engine: requests in, streamed tokens out, one scheduler and one JAX executor.
+
+::
+
+    engine = Engine(load_engine_config("tiny_cpu"))
+    rid = engine.add_request("Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step():       # RequestOutput per request that got tokens
+            print(out.request_id, out.new_text, out.finished)
+
+`Engine.step` runs ``schedule -> execute -> update_from_output`` once, then turns sampled ids into
+text, applies stop strings, and returns what is new. It is single-threaded; the HTTP server
+drives it from one background thread (`serve_jax.server.EngineLoop`). Time comes from an
+injectable clock so metrics can be checked in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import itertools
+import time
+from collections.abc import Callable, Sequence
+
+from serve_jax.config import EngineConfig
+from serve_jax.sampling import SamplingParams
+from serve_jax.scheduler import (
+    CostHints,
+    FcfsLastPolicy,
+    PreemptMode,
+    Request,
+    RequestStatus,
+    Scheduler,
+    VictimPolicy,
+)
+
+__all__ = ["Engine", "RequestOutput", "RequestMetrics", "resolve_policy", "MeasuredCostHints"]
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+    """Timestamps of one request (engine clock, seconds)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    token_times: tuple[float, ...]
+    finish_time: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_preemptions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """The state of one request after a step."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    """All output token ids so far."""
+    text: str
+    """All output text so far (stop string removed)."""
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    """Text added since the last output of this request."""
+    finished: bool
+    finish_reason: str | None
+    """``stop``, ``length`` or ``abort`` once finished."""
+    metrics: RequestMetrics
+
+
+class MeasuredCostHints(CostHints):
+    """Cost hints fitted online from the executor's step times (exponential moving averages)."""
+
+    def __init__(self, host_link_bytes_per_s: float, block_bytes: int, alpha: float = 0.2):
+        self.alpha = alpha
+        self.block_bytes = block_bytes
+        self.host_link = host_link_bytes_per_s
+        self.per_prefill_token = 2e-4
+        self.decode_base = 5e-3
+        self.per_decode_seq = 2e-4
+
+    def observe(self, prefill_tokens: int, decode_seqs: int, seconds: float) -> None:
+        """Updates the fit from one step's composition and duration."""
+        a = self.alpha
+        if prefill_tokens and not decode_seqs:
+            self.per_prefill_token += a * (seconds / prefill_tokens - self.per_prefill_token)
+        elif decode_seqs and not prefill_tokens:
+            predicted = self.decode_base + self.per_decode_seq * decode_seqs
+            self.decode_base = max(0.0, self.decode_base + a * (seconds - predicted))
+
+    def prefill_seconds(self, num_tokens: int) -> float:
+        return self.per_prefill_token * num_tokens
+
+    def transfer_seconds(self, num_blocks: int) -> float:
+        return num_blocks * self.block_bytes / self.host_link
+
+    def decode_seconds(self, batch_size: int, context_tokens: int) -> float:
+        return self.decode_base + self.per_decode_seq * batch_size
+
+
+def resolve_policy(name: str, mode: str = "recompute") -> VictimPolicy:
+    """A victim policy by name: ``fcfs_last`` always; others via ``serve_jax.preemption``.
+
+    Raises:
+      ValueError: an unknown policy or mode.
+    """
+    try:
+        preempt_mode = PreemptMode(mode)
+    except ValueError:
+        raise ValueError(f"preempt_mode must be 'recompute' or 'offload', got {mode!r}") from None
+    if name == "fcfs_last":
+        return FcfsLastPolicy(preempt_mode)
+    if importlib.util.find_spec("serve_jax.preemption") is None:
+        raise ValueError(f"unknown policy {name!r}; only 'fcfs_last' is available")
+    from serve_jax.preemption import get_policy
+
+    return get_policy(name)
+
+
+def _scheduler_class(policy: VictimPolicy) -> type[Scheduler]:
+    if hasattr(policy, "admission_limit") or hasattr(policy, "attach"):
+        from serve_jax.preemption import GatedScheduler
+
+        return GatedScheduler
+    return Scheduler
+
+
+@dataclasses.dataclass
+class _Tracked:
+    request: Request
+    params: SamplingParams
+    text: str = ""
+    sent_text: int = 0
+    sent_tokens: int = 0
+
+
+class Engine:
+    """Continuous-batching engine over a paged KV cache with a host tier.
+
+    Args:
+      config: engine config (default: `EngineConfig()` with the tiny model).
+      model: a `serve_jax.model.Decoder` to serve instead of building one from the config.
+      tokenizer: a tokenizer instead of the configured one.
+      policy: a victim policy instead of the configured one.
+      clock: seconds since some origin; default ``time.monotonic``.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        model=None,
+        tokenizer=None,
+        policy: VictimPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        from serve_jax.executor import JaxExecutor
+        from serve_jax.model import get_model_config, init_model, load_safetensors
+        from serve_jax.tokenizer import load_tokenizer
+
+        self.config = config or EngineConfig()
+        mc = self.config.model
+        if model is None:
+            overrides = {"dtype": mc.dtype}
+            if mc.max_seq_len:
+                overrides["max_seq_len"] = mc.max_seq_len
+            model = init_model(get_model_config(mc.preset, **overrides), mc.seed)
+            if mc.checkpoint:
+                load_safetensors(model, mc.checkpoint)
+        self.model = model
+        self.model_config = model.cfg
+        self.tokenizer = tokenizer or load_tokenizer(mc.tokenizer)
+        if self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ValueError(
+                f"tokenizer has {self.tokenizer.vocab_size} ids, model vocab_size is "
+                f"{self.model_config.vocab_size}"
+            )
+        cc, sc = self.config.cache, self.config.scheduler
+        self.policy = policy or resolve_policy(sc.policy, sc.preempt_mode)
+        import jax
+
+        from tapas_jax.hardware import get_profile
+
+        kind = jax.default_backend()
+        link = get_profile({"gpu": "h100", "tpu": "tpu-v5e"}.get(kind, "cpu")).host_link_bandwidth
+        self.costs = MeasuredCostHints(link, cc.block_size * self.model_config.kv_bytes_per_token())
+        self.scheduler = _scheduler_class(self.policy)(
+            cc.num_device_blocks,
+            cc.num_host_blocks,
+            block_size=cc.block_size,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            policy=self.policy,
+            costs=self.costs,
+            max_model_len=self.model_config.max_seq_len,
+        )
+        self.executor = JaxExecutor(
+            model,
+            cc.num_device_blocks,
+            cc.block_size,
+            use_host_tier=cc.num_host_blocks > 0,
+            min_batch=self.config.executor.min_batch,
+            min_chunk=self.config.executor.min_chunk,
+            min_table_blocks=self.config.executor.min_table_blocks,
+        )
+        self.clock = clock
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + max_tokens a request may ask for."""
+        return self.scheduler.max_model_len
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queues a request; returns its id.
+
+        Raises:
+          ValueError: an empty or too long prompt, or token ids outside the vocabulary.
+        """
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, vocab): {bad[:5]}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context length {self.max_model_len}"
+            )
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self._tracked:
+            raise ValueError(f"duplicate request id {rid!r}")
+        eos = getattr(self.tokenizer, "eos_id", None)
+        stop_ids = frozenset() if params.ignore_eos or eos is None else frozenset({eos})
+        req = Request(
+            rid,
+            ids,
+            params.max_tokens,
+            self.clock() if arrival_time is None else arrival_time,
+            stop_token_ids=stop_ids,
+            sampling=params,
+        )
+        self.scheduler.add_request(req)
+        self._tracked[rid] = _Tracked(req, params)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a request, freeing its pages; False if it is unknown or already finished."""
+        if request_id not in self.scheduler.requests:
+            self._tracked.pop(request_id, None)
+            return False
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED, self.clock())
+        self._tracked.pop(request_id, None)
+        return True
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is still queued or running."""
+        return self.scheduler.has_unfinished()
+
+    def has_work(self) -> bool:
+        """Unfinished requests or host copies still in flight."""
+        return self.scheduler.has_work()
+
+    # ---- stepping ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduler/executor step; returns outputs of requests that got tokens."""
+        now = self.clock()
+        so = self.scheduler.schedule(now)
+        if so.is_empty and not self.executor_has_copies():
+            return []
+        result = self.executor.execute(so)
+        self.num_steps += 1
+        if result.step_seconds is not None:
+            self.costs.observe(
+                sum(c.num_tokens for c in so.prefills), len(so.decodes), result.step_seconds
+            )
+        events = self.scheduler.update_from_output(so, result, self.clock())
+        outputs = []
+        for ev in events:
+            tracked = self._tracked.get(ev.request_id)
+            if tracked is None:
+                continue
+            self.num_generated_tokens += len(ev.new_token_ids)
+            outputs.append(self._output(tracked))
+        return outputs
+
+    def executor_has_copies(self) -> bool:
+        host = self.executor.host
+        return host is not None and host.num_in_flight > 0
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        req = tracked.request
+        ids = req.output_token_ids
+        finished = req.status.finished
+        status = req.status
+        visible = list(ids)
+        eos = getattr(self.tokenizer, "eos_id", None)
+        if status == RequestStatus.FINISHED_STOPPED and visible and visible[-1] == eos:
+            visible = visible[:-1]
+        text = self.tokenizer.decode(visible)
+        if tracked.params.stop:
+            hits = [text.find(s) for s in tracked.params.stop]
+            hits = [h for h in hits if h >= 0]
+            if hits:
+                text = text[: min(hits)]
+                if not finished:
+                    self.scheduler.finish_request(
+                        req.request_id, RequestStatus.FINISHED_STOPPED, self.clock()
+                    )
+                    finished, status = True, RequestStatus.FINISHED_STOPPED
+        # Hold back an incomplete UTF-8 sequence until its last byte arrives.
+        stable = text if finished or not text.endswith("\ufffd") else text.rstrip("\ufffd")
+        new_text = stable[tracked.sent_text :] if len(stable) >= tracked.sent_text else ""
+        tracked.sent_text = max(tracked.sent_text, len(stable))
+        new_ids = tuple(ids[tracked.sent_tokens :])
+        tracked.sent_tokens = len(ids)
+        tracked.text = stable
+        if finished:
+            self._tracked.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=tuple(req.prompt_token_ids),
+            token_ids=tuple(ids),
+            text=stable,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=finished,
+            finish_reason=_FINISH_REASON.get(status) if finished else None,
+            metrics=request_metrics(req),
+        )
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Runs ``prompts`` to completion (batched); returns final outputs in prompt order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        final: dict[str, RequestOutput] = {}
+        while self.has_work():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stats(self) -> dict[str, float]:
+        """Queue lengths, free pages, preemptions, generated tokens (for /metrics)."""
+        s = dict(self.scheduler.stats())
+        s["generated_tokens"] = self.num_generated_tokens
+        s["offload_preemptions"] = self.scheduler.num_offload_preemptions
+        s["steps"] = self.num_steps
+        return s
+
+
+def request_metrics(req: Request) -> RequestMetrics:
+    """Timestamps of a scheduler `Request`."""
+    return RequestMetrics(
+        arrival_time=req.arrival_time,
+        first_scheduled_time=req.first_scheduled_time,
+        first_token_time=req.first_token_time,
+        token_times=tuple(req.token_times),
+        finish_time=req.finish_time,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_output_tokens=req.num_output_tokens,
+        num_preemptions=req.num_preemptions,
+    )

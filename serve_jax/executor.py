@@ -1,0 +1,165 @@
+"""The JAX executor: runs a `SchedulerOutput` on the model with paged KV pools and a host tier.
+
+One ``execute`` call, in order:
+
+1. restores: host pages back into the device pools (needed by this step's compute);
+2. compute: the prefill chunks, then the decodes, each as one jitted step over a padded batch
+   (batch, chunk length and block-table width are rounded up to powers of two so a handful of
+   shapes are compiled). The step writes the new K/V into the pages, runs ragged paged
+   attention, samples a token per sequence on device, and donates the pools;
+3. offloads issued in the *previous* step are waited for (they ran alongside this step's
+   compute) and reported complete; this step's offloads are issued (asynchronous device_put to
+   ``pinned_host``) so they overlap the next step;
+4. sampled tokens are fetched to the host.
+
+The executor keeps no per-request state: token ids, positions and block tables all come in the
+`SchedulerOutput` (the same contract as the simulator's executor).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from serve_jax.kv_cache import PagedKVView, make_kv_pools
+from serve_jax.model import Decoder
+from serve_jax.offload import HostKVTier
+from serve_jax.sampling import SamplingParams, sample_tokens
+from serve_jax.scheduler import ExecutorOutput, ScheduledChunk, SchedulerOutput
+
+__all__ = ["JaxExecutor", "pad_pow2"]
+
+
+def pad_pow2(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    n = max(n, minimum)
+    return 1 << (n - 1).bit_length()
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
+def paged_step(graphdef, params, k_pool, v_pool, tokens, positions, valid, tables, last, *sampling):
+    """One forward over a padded batch: write K/V pages, attend, sample a token per row.
+
+    Module-level (graphdef static) so engines serving the same architecture share compilations.
+    """
+    model = nnx.merge(graphdef, params)
+    view = PagedKVView(k_pool, v_pool, tables, positions, valid)
+    h = model.hidden(tokens, positions, view)
+    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+    next_tokens = sample_tokens(model.logits(h_last), *sampling)
+    return next_tokens, view.k_pool, view.v_pool
+
+
+class JaxExecutor:
+    """Paged-KV model runner implementing the scheduler's `Executor` protocol.
+
+    Args:
+      model: the decoder (its weights are split out and passed to the jitted step).
+      num_device_blocks: pages in each device pool.
+      block_size: tokens per page.
+      use_host_tier: keep a host tier for offload (needs a host memory kind on the device).
+      device: where pools and weights live (default: the first device).
+      min_batch: smallest padded batch (raise it to compile fewer shapes).
+      min_chunk: smallest padded prefill chunk length.
+      min_table_blocks: smallest padded block-table width.
+    """
+
+    def __init__(
+        self,
+        model: Decoder,
+        num_device_blocks: int,
+        block_size: int,
+        use_host_tier: bool = True,
+        device=None,
+        min_batch: int = 1,
+        min_chunk: int = 1,
+        min_table_blocks: int = 1,
+    ):
+        self.min_batch, self.min_chunk = min_batch, min_chunk
+        self.min_table_blocks = min_table_blocks
+        self.cfg = model.cfg
+        self.block_size = block_size
+        self.num_device_blocks = num_device_blocks
+        self.device = device or jax.devices()[0]
+        graphdef, params = nnx.split(model)
+        self.params = jax.device_put(params, self.device)
+        self.k_pool, self.v_pool = make_kv_pools(
+            self.cfg, num_device_blocks, block_size, self.device
+        )
+        self.host = HostKVTier(self.device) if use_host_tier else None
+        self.num_steps = 0
+
+        self.graphdef = graphdef
+
+    # ---- batches -------------------------------------------------------------------------
+    def _arrays(self, chunks: list[ScheduledChunk], tables: dict[str, list[int]]):
+        longest = max(c.num_tokens for c in chunks)
+        b = pad_pow2(len(chunks), self.min_batch)
+        t = 1 if longest == 1 else pad_pow2(longest, self.min_chunk)
+        m = pad_pow2(max(len(tables[c.request_id]) for c in chunks), self.min_table_blocks)
+        tokens = np.zeros((b, t), np.int32)
+        positions = np.zeros((b, t), np.int32)
+        valid = np.zeros((b, t), bool)
+        table_arr = np.zeros((b, m), np.int32)
+        last = np.zeros((b,), np.int32)
+        temp = np.zeros((b,), np.float32)
+        top_p = np.ones((b,), np.float32)
+        seed = np.zeros((b,), np.int32)
+        ctr = np.zeros((b,), np.int32)
+        for i, c in enumerate(chunks):
+            n = c.num_tokens
+            tokens[i, :n] = c.token_ids
+            positions[i, :n] = np.arange(c.start, c.start + n)
+            valid[i, :n] = True
+            table = tables[c.request_id]
+            table_arr[i, : len(table)] = table
+            last[i] = n - 1
+            sp = c.sampling if isinstance(c.sampling, SamplingParams) else None
+            if sp is not None:
+                temp[i], top_p[i], seed[i] = sp.temperature, sp.top_p, sp.seed
+            ctr[i] = c.num_output_tokens
+        return tokens, positions, valid, table_arr, last, temp, top_p, seed, ctr
+
+    def _dispatch(self, chunks, tables) -> jax.Array:
+        args = [jnp.asarray(a) for a in self._arrays(chunks, tables)]
+        toks, self.k_pool, self.v_pool = paged_step(
+            self.graphdef, self.params, self.k_pool, self.v_pool, *args
+        )
+        return toks
+
+    # ---- protocol ------------------------------------------------------------------------
+    def execute(self, scheduler_output: SchedulerOutput) -> ExecutorOutput:
+        """Runs one step; see the module docstring for the order of operations."""
+        so = scheduler_output
+        t0 = time.perf_counter()
+        if so.restores:
+            if self.host is None:
+                raise RuntimeError("restore requested but the executor has no host tier")
+            self.k_pool, self.v_pool = self.host.restore(self.k_pool, self.v_pool, so.restores)
+        pending = []
+        for group in (so.prefills, so.decodes):
+            if group:
+                pending.append((group, self._dispatch(group, so.block_tables)))
+        completed = self.host.complete() if self.host is not None else []
+        if so.offloads:
+            if self.host is None:
+                raise RuntimeError("offload requested but the executor has no host tier")
+            self.host.offload(self.k_pool, self.v_pool, so.offloads)
+        sampled: dict[str, int] = {}
+        for group, toks in pending:
+            toks = np.asarray(toks)
+            for i, c in enumerate(group):
+                if c.sample:
+                    sampled[c.request_id] = int(toks[i])
+        self.num_steps += 1
+        return ExecutorOutput(
+            sampled=sampled,
+            completed_offloads=completed,
+            completed_restores=list(so.restores),
+            step_seconds=time.perf_counter() - t0,
+        )

@@ -1,0 +1,139 @@
+"""KV caches as views handed to the model: paged pools (serving) and a dense cache (reference).
+
+A view is a small Python object living inside one traced step: each attention layer calls
+``view.attend(layer, q, k, v)``, which writes the new k/v and returns the attention output; the
+updated arrays are read back from the view when the forward ends. The jitted step donates the
+pools, so XLA updates them in place.
+
+Paged layout: ``k_pool`` and ``v_pool`` are [n_layers, num_blocks, block_size, n_kv_heads,
+head_dim]; a sequence's block table maps position p to page ``table[p // block_size]``, slot
+``p % block_size``. Padded query rows (``valid == False``) write nowhere (their page index is
+out of range and the scatter drops it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from serve_jax.attention import context_attention, paged_attention
+from serve_jax.model import ModelConfig
+
+__all__ = ["PagedKVView", "DenseKVView", "make_kv_pools", "pool_shape"]
+
+
+def pool_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Shape of one of the K or V page pools."""
+    return (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+
+
+def make_kv_pools(
+    cfg: ModelConfig, num_blocks: int, block_size: int, device=None
+) -> tuple[jax.Array, jax.Array]:
+    """Zeroed K and V page pools on ``device`` (default: the first device)."""
+    shape = pool_shape(cfg, num_blocks, block_size)
+    device = device or jax.devices()[0]
+    k = jax.device_put(jnp.zeros(shape, cfg.jnp_dtype), device)
+    v = jax.device_put(jnp.zeros(shape, cfg.jnp_dtype), device)
+    return k, v
+
+
+@dataclasses.dataclass
+class PagedKVView:
+    """Paged pools plus the step's block tables and query positions (inside a traced step)."""
+
+    k_pool: jax.Array
+    v_pool: jax.Array
+    block_tables: jax.Array
+    """[B, maxb] int32."""
+    positions: jax.Array
+    """[B, T] int32 position of each token."""
+    valid: jax.Array
+    """[B, T] bool: False for padding."""
+
+    def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        num_blocks, bs = self.k_pool.shape[1], self.k_pool.shape[2]
+        page = jnp.take_along_axis(self.block_tables, self.positions // bs, axis=1)
+        page = jnp.where(self.valid, page, num_blocks)  # out of range: dropped
+        slot = self.positions % bs
+        dt = self.k_pool.dtype
+        self.k_pool = self.k_pool.at[layer, page, slot].set(k.astype(dt), mode="drop")
+        self.v_pool = self.v_pool.at[layer, page, slot].set(v.astype(dt), mode="drop")
+        return paged_attention(
+            q, self.k_pool[layer], self.v_pool[layer], self.block_tables, self.positions
+        )
+
+
+@dataclasses.dataclass
+class DenseKVView:
+    """An unpaged cache [n_layers, B, max_len, KV, D]: position p of row b at index p."""
+
+    k: jax.Array
+    v: jax.Array
+    positions: jax.Array
+    valid: jax.Array
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, max_len: int) -> tuple[jax.Array, jax.Array]:
+        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+        return jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype)
+
+    def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        b, t = self.positions.shape
+        max_len = self.k.shape[2]
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        pos = jnp.where(self.valid, self.positions, max_len)
+        self.k = self.k.at[layer, rows, pos].set(k.astype(self.k.dtype), mode="drop")
+        self.v = self.v.at[layer, rows, pos].set(v.astype(self.v.dtype), mode="drop")
+        return context_attention(q, self.k[layer], self.v[layer], self.positions)
+
+
+def dense_greedy_generate(
+    model,
+    prompt_ids: list[int],
+    max_tokens: int,
+    max_len: int | None = None,
+    min_prefill: int = 1,
+) -> list[int]:
+    """Greedy generation with a dense, unpaged cache: the reference the paged engine must match.
+
+    The prompt is prefilled in one forward pass (padded to a power of two, padding masked), then
+    tokens are decoded one at a time. ``max_len`` fixes the cache length and ``min_prefill`` the
+    smallest padded prompt length (both only to compile fewer shapes).
+    """
+    from flax import nnx
+
+    cfg = model.cfg
+    n = len(prompt_ids)
+    max_len = max_len or n + max_tokens
+    if n + max_tokens > max_len:
+        raise ValueError(f"prompt {n} + max_tokens {max_tokens} exceeds max_len {max_len}")
+    graphdef, params = nnx.split(model)
+    k, v = DenseKVView.zeros(cfg, 1, max_len)
+    t = 1 << (max(n, min_prefill) - 1).bit_length()
+    tokens = jnp.zeros((1, t), jnp.int32).at[0, :n].set(jnp.asarray(prompt_ids))
+    valid = jnp.arange(t)[None] < n
+    logits, k, v = dense_step(graphdef, params, k, v, tokens, jnp.arange(t)[None], valid)
+    tok = jnp.argmax(logits[:, n - 1], axis=-1)
+    out = [int(tok[0])]
+    one = jnp.ones((1, 1), bool)
+    for pos in range(n, n + max_tokens - 1):
+        pos_arr = jnp.full((1, 1), pos)
+        logits, k, v = dense_step(graphdef, params, k, v, tok[:, None], pos_arr, one)
+        tok = jnp.argmax(logits[:, -1], axis=-1)
+        out.append(int(tok[0]))
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
+def dense_step(graphdef, params, k, v, tokens, positions, valid):
+    """Forward of ``tokens`` [B, T] at ``positions`` with a dense cache; returns logits, k, v."""
+    from flax import nnx
+
+    m = nnx.merge(graphdef, params)
+    view = DenseKVView(k, v, positions, valid)
+    logits = m(tokens, positions, view)
+    return logits, view.k, view.v
