@@ -43,7 +43,7 @@ from .storage import Example, Storage
 
 __all__ = [
     "AimdController",
-    "EpochIterator",
+    "BatchStream",
     "InputPipeline",
     "Observation",
     "PipelineConfig",
@@ -83,7 +83,7 @@ class PipelineConfig:
     """Workers added per starving interval."""
     decrease_factor: float = 0.75
     """Multiplicative decrease of workers when over-provisioned."""
-    headroom: float = 1.25
+    headroom: float = 1.5
     """Little's-law concurrency is multiplied by this when growing."""
     shuffle: bool = True
     """Shuffle each epoch with a permutation seeded by (seed, epoch)."""
@@ -153,6 +153,8 @@ class Observation:
     """Mean recent fetch latency."""
     full_fraction: float
     """Fraction of ``next()`` calls that found the window's ready batches at depth - 1 or more."""
+    fetches: int = 0
+    """Fetches completed by the storage (its throughput is ``fetches / wall_s``)."""
 
 
 class AimdController:
@@ -187,8 +189,8 @@ class AimdController:
         target = math.ceil(self.needed_workers(obs) * cfg.headroom)
         workers, depth = self.workers, self.depth
         if wait_frac > cfg.wait_high:
-            # More fetches in flight only help while concurrency is what is short; past twice
-            # the Little's-law need the wait comes from elsewhere (CPU, stacking), so hold.
+            # Concurrency is what is short; past twice the Little's-law need the wait comes
+            # from elsewhere (CPU, stacking, one slow fetch holding a batch), so hold.
             if workers < 2 * target + cfg.additive_workers:
                 workers = max(workers + cfg.additive_workers, target)
             depth = max(depth + 1, math.ceil(workers / cfg.batch_size) + 1)
@@ -200,7 +202,7 @@ class AimdController:
         workers = int(min(max(workers, cfg.min_workers), cfg.max_workers))
         # The window must hold the fetches the need calls for plus one ready batch; a shallower
         # window would cap concurrency below it.
-        floor = max(cfg.min_depth, math.ceil(target / cfg.batch_size) + 1)
+        floor = max(cfg.min_depth, math.ceil(min(target, workers) / cfg.batch_size) + 1)
         depth = int(min(max(depth, floor), self.max_depth))
         # Threads beyond what the window can keep busy would only idle.
         workers = min(workers, max(cfg.min_workers, depth * cfg.batch_size))
@@ -209,58 +211,83 @@ class AimdController:
         return workers, depth
 
 
-class EpochIterator(Iterator[Example]):
-    """Batches of one epoch, in order, from a pool of fetch threads (see module docstring)."""
+class BatchStream(Iterator[Example]):
+    """Batches over one or more epochs, in order, from a pool of fetch threads.
 
-    def __init__(self, pipeline: InputPipeline, indices: np.ndarray, start_batch: int = 0):
-        cfg = pipeline.config
+    The stream keeps fetching across epoch boundaries (the next epoch's permutation is drawn when
+    the window reaches it), so a long run never drains its buffer at the end of an epoch.
+
+    Args:
+      pipeline: the owning `InputPipeline` (storage, config, controller, counters).
+      start_epoch: epoch of the first batch.
+      start_batch: batch within that epoch (resume position).
+      num_epochs: epochs to serve; None for an endless stream.
+    """
+
+    def __init__(
+        self,
+        pipeline: InputPipeline,
+        start_epoch: int = 0,
+        start_batch: int = 0,
+        num_epochs: int | None = None,
+    ):
         self._p = pipeline
         self._storage = pipeline.storage
-        self._indices = indices
-        b = cfg.batch_size
-        n = len(indices)
-        self.num_batches = n // b if cfg.drop_remainder else math.ceil(n / b)
-        if not 0 <= start_batch <= self.num_batches:
-            raise ValueError(f"start_batch {start_batch} not in [0, {self.num_batches}]")
-        self._end = min(n, self.num_batches * b)
         self._batch_bytes = pipeline.batch_bytes
+        self._last_epoch = None if num_epochs is None else start_epoch + num_epochs - 1
+        # Planned batches: global batch number -> (epoch, batch in epoch, example indices).
+        self._plan: dict[int, tuple[int, int, np.ndarray]] = {}
+        self._planned = 0
+        self._plan_epoch = start_epoch
+        self._extend_plan(skip=start_batch)
         # One lock, three queues: the consumer, active workers, parked workers (so a wake-up
         # meant for a worker with a task is never swallowed by one that is parked).
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._work_cv = threading.Condition(self._lock)
         self._park_cv = threading.Condition(self._lock)
-        self._next_task = start_batch * b
-        self._consumed = start_batch
+        self._task = (0, 0)  # next (batch, slot) to hand out
+        self._consumed = 0
         self._slots: dict[int, list[Example | None]] = {}
         self._filled: dict[int, int] = {}
         self._ready: dict[int, Example] = {}
         self._error: BaseException | None = None
         self._stop = False
         self._threads: list[threading.Thread] = []
-        self._last_next: float | None = None
-        self._interval = {
-            "t0": time.perf_counter(),
-            "wait": 0.0,
-            "steps": 0,
-            "examples": 0,
-            "full": 0,
-        }
+        self._new_interval(time.perf_counter())
         self._ensure_threads(pipeline.controller.workers)
 
-    # ---- worker side -------------------------------------------------------------------------
-    def _batch_size(self, batch: int) -> int:
-        b = self._p.config.batch_size
-        return min(b, self._end - batch * b)
+    # ---- plan ----------------------------------------------------------------------------------
+    def _extend_plan(self, skip: int = 0) -> bool:
+        """Appends the batches of the next epoch; False when the stream has no more epochs."""
+        epoch = self._plan_epoch
+        if self._last_epoch is not None and epoch > self._last_epoch:
+            return False
+        cfg = self._p.config
+        idx = self._p.indices(epoch)
+        b = cfg.batch_size
+        nb = len(idx) // b if cfg.drop_remainder else math.ceil(len(idx) / b)
+        if not 0 <= skip <= nb:
+            raise ValueError(f"start_batch {skip} not in [0, {nb}] for epoch {epoch}")
+        for k in range(skip, nb):
+            self._plan[self._planned] = (epoch, k, idx[k * b : (k + 1) * b])
+            self._planned += 1
+        self._plan_epoch += 1
+        return True
 
+    def _has_batch(self, batch: int) -> bool:
+        while batch >= self._planned:
+            if not self._extend_plan():
+                return False
+        return True
+
+    # ---- worker side -------------------------------------------------------------------------
     def _reserved(self) -> int:
         return len(self._slots) + len(self._ready)
 
     def _task_allowed(self) -> bool:
-        if self._next_task >= self._end:
-            return False
-        batch = self._next_task // self._p.config.batch_size
-        if batch >= self._consumed + self._p.controller.depth:
+        batch = self._task[0]
+        if batch >= self._consumed + self._p.controller.depth or not self._has_batch(batch):
             return False
         if batch in self._slots:
             return True
@@ -278,7 +305,6 @@ class EpochIterator(Iterator[Example]):
             t.start()
 
     def _work(self, wid: int) -> None:
-        b = self._p.config.batch_size
         while True:
             with self._lock:
                 while not self._stop:
@@ -290,17 +316,17 @@ class EpochIterator(Iterator[Example]):
                         break
                 if self._stop:
                     return
-                pos = self._next_task
-                self._next_task += 1
-                if self._task_allowed():
-                    self._work_cv.notify()  # pass the baton: another task is waiting
-                batch, slot = divmod(pos, b)
+                batch, slot = self._task
+                indices = self._plan[batch][2]
+                self._task = (batch, slot + 1) if slot + 1 < len(indices) else (batch + 1, 0)
                 if batch not in self._slots:
-                    self._slots[batch] = [None] * self._batch_size(batch)
+                    self._slots[batch] = [None] * len(indices)
                     self._filled[batch] = 0
                     self._p._note_buffer(self._reserved() * self._batch_bytes)
+                if self._task_allowed():
+                    self._work_cv.notify()  # pass the baton: another task is waiting
             try:
-                ex = self._storage.fetch(int(self._indices[pos]))
+                ex = self._storage.fetch(int(indices[slot]))
             except BaseException as e:  # surfaced to the consumer
                 with self._lock:
                     self._error = e
@@ -320,26 +346,35 @@ class EpochIterator(Iterator[Example]):
 
     # ---- consumer side -----------------------------------------------------------------------
     def __next__(self) -> Example:
-        if self._consumed >= self.num_batches:
-            self.close()
-            raise StopIteration
         t0 = time.perf_counter()
-        with self._cv:
+        with self._lock:
+            if not self._has_batch(self._consumed):
+                self._stop_locked()
+                raise StopIteration
             full = len(self._ready) >= max(1, self._p.controller.depth - 1)
             while self._consumed not in self._ready and self._error is None:
                 self._cv.wait()
             if self._error is not None:
                 err = self._error
-                self._stop = True
-                self._work_cv.notify_all()
-                self._park_cv.notify_all()
+                self._stop_locked()
                 raise RuntimeError(f"input pipeline fetch failed: {err!r}") from err
             batch = self._ready.pop(self._consumed)
+            del self._plan[self._consumed]
             self._consumed += 1
             self._work_cv.notify(self._p.config.batch_size)  # one more batch fits the window
         waited = time.perf_counter() - t0
         self._account(waited, len(next(iter(batch.values()))), full)
         return batch
+
+    def _new_interval(self, now: float) -> None:
+        self._interval = {
+            "t0": now,
+            "wait": 0.0,
+            "steps": 0,
+            "examples": 0,
+            "full": 0,
+            "fetches": self._storage.stats.count,
+        }
 
     def _account(self, waited: float, examples: int, full: bool) -> None:
         p = self._p
@@ -354,13 +389,16 @@ class EpochIterator(Iterator[Example]):
             return
         now = time.perf_counter()
         lat = self._storage.stats.recent()
+        fetches = self._storage.stats.count - iv["fetches"]
         obs = Observation(
             wall_s=now - iv["t0"],
             wait_s=iv["wait"],
             steps=iv["steps"],
             examples=iv["examples"],
-            fetch_latency_s=float(lat[-256:].mean()) if lat.size else 0.0,
+            # Latency of this interval's fetches: reacts within one interval to a change.
+            fetch_latency_s=float(lat[-min(256, max(fetches, 16)) :].mean()) if lat.size else 0.0,
             full_fraction=iv["full"] / iv["steps"],
+            fetches=fetches,
         )
         with self._lock:
             workers, _ = p.controller.update(obs)
@@ -370,27 +408,42 @@ class EpochIterator(Iterator[Example]):
         p.trace.append(
             {
                 "step": p.steps,
+                "time_s": now - p.t_start,
                 "workers": workers,
                 "depth": p.controller.depth,
                 "wait_frac": obs.wait_s / max(obs.wall_s, 1e-9),
                 "fetch_latency_s": obs.fetch_latency_s,
             }
         )
-        self._interval = {"t0": now, "wait": 0.0, "steps": 0, "examples": 0, "full": 0}
+        self._new_interval(now)
 
     @property
-    def position(self) -> int:
-        """Batches consumed so far in this epoch (resume with ``start_batch=position``)."""
-        return self._consumed
+    def position(self) -> tuple[int, int]:
+        """``(epoch, batch in epoch)`` of the next batch to be served (resume from it)."""
+        with self._lock:
+            if self._has_batch(self._consumed):
+                epoch, k, _ = self._plan[self._consumed]
+                return epoch, k
+            return self._plan_epoch, 0
+
+    def _stop_locked(self) -> None:
+        self._stop = True
+        self._work_cv.notify_all()
+        self._park_cv.notify_all()
 
     def close(self) -> None:
         """Stops the fetch threads (idempotent)."""
         with self._lock:
-            self._stop = True
-            self._work_cv.notify_all()
-            self._park_cv.notify_all()
+            self._stop_locked()
         for t in self._threads:
-            t.join(timeout=30)
+            if t is not threading.current_thread():
+                t.join(timeout=30)
+
+    def __enter__(self) -> BatchStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __del__(self):
         try:
@@ -400,7 +453,7 @@ class EpochIterator(Iterator[Example]):
 
 
 class InputPipeline:
-    """Epochs of batches from a `Storage`, with this process's shard of each epoch.
+    """Batches from a `Storage`, with this process's shard of each epoch.
 
     Args:
       storage: where examples come from.
@@ -430,6 +483,7 @@ class InputPipeline:
         self.peak_buffer_bytes = 0
         self.total_wait_s = 0.0
         self.steps = 0
+        self.t_start = time.perf_counter()
         self.trace: list[dict[str, float]] = []
         self._lock = threading.Lock()
 
@@ -448,17 +502,10 @@ class InputPipeline:
             self.process_count,
         )
 
-    def epoch(self, epoch: int, start_batch: int = 0) -> EpochIterator:
-        """An iterator over the batches of one epoch (resumable at a batch position)."""
-        return EpochIterator(self, self.indices(epoch), start_batch)
+    def epoch(self, epoch: int, start_batch: int = 0) -> BatchStream:
+        """The batches of one epoch (resumable at a batch position)."""
+        return BatchStream(self, epoch, start_batch, num_epochs=1)
 
-    def batches(self, start_epoch: int = 0, start_batch: int = 0) -> Iterator[Example]:
-        """Batches over successive epochs, forever."""
-        epoch, start = start_epoch, start_batch
-        while True:
-            it = self.epoch(epoch, start)
-            try:
-                yield from it
-            finally:
-                it.close()
-            epoch, start = epoch + 1, 0
+    def batches(self, start_epoch: int = 0, start_batch: int = 0) -> BatchStream:
+        """An endless stream of batches over successive epochs, prefetching across boundaries."""
+        return BatchStream(self, start_epoch, start_batch, num_epochs=None)

@@ -321,12 +321,12 @@ class EmulatedRemoteStorage:
         rng = np.random.default_rng([self.seed, index, attempt])
         delay = self.base_latency_s * math.exp(self.latency_sigma * rng.standard_normal())
         delay += nbytes / self.bandwidth
-        if rng.random() < self.spike_prob:
-            delay += self.spike_latency_s
         if congested:
             delay *= self.congestion_factor
         if in_flight > self.concurrency_knee:
             delay *= in_flight / self.concurrency_knee
+        if rng.random() < self.spike_prob:  # a server-side hiccup, independent of load
+            delay += self.spike_latency_s
         return delay
 
     def fetch(self, index: int) -> Example:
