@@ -77,6 +77,19 @@ def test_drop_remainder_and_resume():
     assert [len(b["label"]) for b in full] == [6, 6, 6, 2]
 
 
+def test_stream_crosses_epochs_each_exactly_once():
+    store = InMemoryStorage(_dataset(n=21))
+    pipe = InputPipeline(store, PipelineConfig(batch_size=4, num_workers=3), 0, 1)
+    stream = pipe.batches(start_epoch=1)
+    batches = [next(stream) for _ in range(3 * 6)]  # 6 batches per epoch (the last holds 1)
+    assert stream.position == (4, 0)
+    stream.close()
+    for e in range(3):
+        labels = _labels(batches[6 * e : 6 * (e + 1)])
+        assert labels == pipe.indices(1 + e).tolist()
+        assert sorted(labels) == list(range(21))
+
+
 def test_local_files_roundtrip_and_measured_latency(tmp_path):
     data = _dataset(n=12)
     store = LocalArrayStorage(write_local_dataset(tmp_path / "ds", data))
@@ -126,8 +139,8 @@ def test_controller_raises_when_starving_lowers_when_comfortable_and_respects_ca
     ctl = AimdController(cfg, batch_bytes=16 * 1000)
     assert ctl.max_depth == 5
     w, d = ctl.update(_obs(0.5, latency=0.05))
-    # Little's law: 160 examples / 0.5 s busy x 50 ms = 16 in flight, x1.25 headroom.
-    assert w == 20 and d == 3
+    # Little's law: 160 examples / 0.5 s busy x 50 ms = 16 in flight, x1.5 headroom.
+    assert w == 24 and d == 3
     for _ in range(10):
         w, d = ctl.update(_obs(0.5, latency=0.2))
         assert d <= 5
@@ -137,10 +150,10 @@ def test_controller_raises_when_starving_lowers_when_comfortable_and_respects_ca
     assert w == int(high * 0.75) and d == 4
     for _ in range(20):
         w, d = ctl.update(_obs(0.0, latency=0.01, full=1.0))
-    # Floored at the Little's-law need (160/s x 10 ms x 1.25 headroom = 2 in flight) and a
+    # Floored at the Little's-law need (160/s x 10 ms x 1.5 headroom = 3 in flight) and a
     # window holding those fetches plus one ready batch.
-    assert (w, d) == (2, 2)
-    assert ctl.update(_obs(0.01, full=0.0)) == (2, 2)  # between the thresholds: hold
+    assert (w, d) == (3, 2)
+    assert ctl.update(_obs(0.01, full=0.0)) == (3, 2)  # between the thresholds: hold
     with pytest.raises(ValueError, match="smaller than one batch"):
         AimdController(cfg, batch_bytes=10**9)
 
