@@ -111,7 +111,7 @@ class AsyncConfig:
 
     staleness: int = 1
     """k: G scores its loss against a D snapshot refreshed at least every k G steps (0 = sync)."""
-    buffer_size: int = 2
+    buffer_size: int = 1
     """Capacity of the bounded fake-batch buffer between G and D (in G steps)."""
     g_devices: int = 0
     """Devices given to G out of the mesh's data axis (0 = half)."""
