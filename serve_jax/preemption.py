@@ -341,12 +341,15 @@ class GatedScheduler(Scheduler):
         self.no_admission_after_preemption = no_admission_after_preemption
         self._held_waiting: list[Request] = []
         self._held_offloaded: list[Request] = []
+        self.preempted_computed_tokens: dict[str, int] = {}
+        """Computed tokens of each request at its latest preemption (what a recompute wastes)."""
         self._gating = hasattr(self.policy, "admission_limit")
         attach = getattr(self.policy, "attach", None)
         if attach is not None:
             attach(self)
 
     def _preempt(self, req, mode, now, out) -> None:
+        self.preempted_computed_tokens[req.request_id] = req.num_computed_tokens
         super()._preempt(req, mode, now, out)
         if self.no_admission_after_preemption:
             # Everything waiting (the victim at its front) sits this step out.

@@ -223,10 +223,18 @@ class SimConfig:
     """TTFT objective for goodput."""
     slo_tpot_s: float = 0.1
     """TPOT objective for goodput."""
+    no_admission_after_preemption: bool = False
+    """vLLM V1's rule: a step that preempted admits no waiting request (see `GatedScheduler`)."""
     finish_by: str = "stop_token"
     """``stop_token`` (default) or ``max_tokens`` (engine replay convention)."""
     max_steps: int = 50_000_000
     """Safety limit on engine steps."""
+    num_device_blocks: int | None = None
+    """Device KV blocks, overriding the capacity computed from ``kv_memory_gb``."""
+    num_host_blocks: int | None = None
+    """Host KV blocks, overriding ``host_memory_gb``."""
+    max_model_len: int | None = None
+    """Longest prompt + output (default: all device blocks), as the engine's model limit."""
 
     def cost_model(self) -> RooflineCostModel:
         """The roofline cost model of this configuration."""
@@ -261,8 +269,8 @@ class SimulationResult:
     slo_attainment: float
     device_blocks: int
     predictor_error: dict[str, float] | None = None
-    preemption_log: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
-    """(step, request id, mode) of every preemption, in order."""
+    preemption_log: list[tuple[int, float, str, str]] = dataclasses.field(default_factory=list)
+    """(step, time of the step's schedule, request id, mode) of every preemption, in order."""
     step_seconds: list[float] = dataclasses.field(default_factory=list)
 
     @property
@@ -367,8 +375,10 @@ def simulate(
     wall0 = time.perf_counter()
     pol = get_policy(policy) if isinstance(policy, str) else policy
     costs = config.cost_model()
-    num_blocks = costs.kv_capacity_blocks(config.kv_memory_gb)
-    host_blocks = int(config.host_memory_gb * 1e9 // costs.block_bytes)
+    num_blocks = config.num_device_blocks or costs.kv_capacity_blocks(config.kv_memory_gb)
+    host_blocks = config.num_host_blocks
+    if host_blocks is None:
+        host_blocks = int(config.host_memory_gb * 1e9 // costs.block_bytes)
     sched = GatedScheduler(
         num_device_blocks=num_blocks,
         num_host_blocks=host_blocks,
@@ -377,6 +387,8 @@ def simulate(
         max_num_batched_tokens=config.max_num_batched_tokens,
         policy=pol,
         costs=costs,
+        no_admission_after_preemption=config.no_admission_after_preemption,
+        max_model_len=config.max_model_len,
     )
     capacity = sched.max_model_len
     specs = {r.request_id: r for r in workload.requests}
@@ -425,7 +437,7 @@ def simulate(
             now = max(now, arrivals[0][0])
             executor.set_time(now)
             continue
-        computed_before = {r.request_id: r.num_computed_tokens for r in sched.running}
+        t_sched = now
         so = sched.schedule(now)
         if so.is_empty and executor.next_copy_completion is None:
             # Nothing can run until a new request arrives (e.g. everything waits on the gate).
@@ -445,10 +457,10 @@ def simulate(
             if prev_step_preempted:
                 tally.back_to_back += 1
             for rid, mode in so.preemptions:
-                tally.preempt_times.append(now)
-                tally.preempt_log.append((step, rid, mode.value))
+                tally.preempt_times.append(t_sched)
+                tally.preempt_log.append((step, t_sched, rid, mode.value))
                 if mode == PreemptMode.RECOMPUTE:
-                    tally.wasted += computed_before.get(rid, 0)
+                    tally.wasted += sched.preempted_computed_tokens[rid]
         prev_step_preempted = bool(so.preemptions)
         tally.bytes_off += len(so.offloads) * costs.block_bytes
         tally.bytes_res += len(so.restores) * costs.block_bytes
@@ -487,7 +499,7 @@ class _Tally:
     steps: int = 0
     wall: float = 0.0
     preempt_times: list[float] = dataclasses.field(default_factory=list)
-    preempt_log: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
+    preempt_log: list[tuple[int, float, str, str]] = dataclasses.field(default_factory=list)
     step_seconds: list[float] = dataclasses.field(default_factory=list)
 
 
@@ -550,3 +562,119 @@ def _result(pol, workload, reqs, sched, config: SimConfig, tally: _Tally) -> Sim
         preemption_log=tally.preempt_log,
         step_seconds=tally.step_seconds,
     )
+
+
+# -- checking the simulator against the real engine ------------------------------------------
+
+
+class StepClock:
+    """A clock that only moves when told: the engine sees one time per step.
+
+    `replay_on_engine` advances it by each step's measured wall time, so the engine's timeline
+    (schedule times, arrivals admitted before each step) is exactly reproducible from the list of
+    step times, which is what the simulator replays.
+    """
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclasses.dataclass
+class EngineReplay:
+    """What a real-engine replay produced."""
+
+    step_seconds: list[float]
+    """Measured wall time of each executed step."""
+    preemptions: list[tuple[float, str]]
+    """(schedule time, request id) of every preemption, sorted."""
+    requests: list[Request]
+    """The engine's requests (finished)."""
+    num_offload_preemptions: int
+
+
+def replay_on_engine(
+    engine_config: Any,
+    workload: Workload,
+    policy: str | VictimPolicy,
+    *,
+    seed: int = 0,
+    max_steps: int = 1_000_000,
+) -> EngineReplay:
+    """Runs ``workload`` on the real `serve_jax.engine.Engine` with a step-synchronous clock.
+
+    Prompts are random token ids of the trace's lengths; outputs are forced to the trace's
+    lengths (``max_tokens``, ``ignore_eos``). Requests arriving by the engine's time are added
+    before each step; the clock then advances by the step's measured wall time.
+
+    Args:
+      engine_config: a `serve_jax.config.EngineConfig`.
+      workload: open-loop requests (no follow-up turns).
+      policy: a policy name or instance.
+      seed: seed of the random prompts.
+      max_steps: safety limit.
+
+    Raises:
+      ValueError: a closed-loop workload.
+      RuntimeError: the engine stops making progress.
+    """
+    from serve_jax.engine import Engine
+    from serve_jax.sampling import SamplingParams
+
+    if any(r.parent_id for r in workload.requests):
+        raise ValueError("replay_on_engine takes open-loop workloads (no follow-up turns)")
+    pol = get_policy(policy) if isinstance(policy, str) else policy
+    clock = StepClock()
+    engine = Engine(engine_config, policy=pol, clock=clock)
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(seed)
+    pending = sorted(workload.requests, key=lambda r: r.arrival_time)
+    reqs: list[Request] = []
+    steps: list[float] = []
+    i = 0
+    while i < len(pending) or engine.has_unfinished():
+        while i < len(pending) and pending[i].arrival_time <= clock.t:
+            spec = pending[i]
+            ids = rng.integers(1, vocab, size=spec.prompt_len).tolist()
+            params = SamplingParams(max_tokens=spec.output_len, ignore_eos=True)
+            engine.add_request(ids, params, request_id=spec.request_id, arrival_time=clock.t)
+            reqs.append(engine.scheduler.requests[spec.request_id])
+            i += 1
+        if not engine.has_unfinished():
+            clock.t = max(clock.t, pending[i].arrival_time)
+            continue
+        before = engine.num_steps
+        t0 = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t0
+        if engine.num_steps == before:
+            raise RuntimeError(f"engine made no progress at t={clock.t:.4f}s")
+        steps.append(dt)
+        clock.t += dt
+        if len(steps) > max_steps:
+            raise RuntimeError(f"engine replay passed max_steps={max_steps}")
+    events = sorted((t, r.request_id) for r in reqs for t in r.preemption_times)
+    return EngineReplay(steps, events, reqs, engine.scheduler.num_offload_preemptions)
+
+
+def simulator_config_for_engine(engine_config: Any, **overrides: Any) -> SimConfig:
+    """The `SimConfig` whose scheduler matches an engine config (blocks, limits, model length)."""
+    cc, sc = engine_config.cache, engine_config.scheduler
+    from serve_jax.model import get_model_config
+
+    mc = engine_config.model
+    kw = {"max_seq_len": mc.max_seq_len} if mc.max_seq_len else {}
+    max_len = get_model_config(mc.preset, **kw).max_seq_len
+    base = dict(
+        block_size=cc.block_size,
+        num_device_blocks=cc.num_device_blocks,
+        num_host_blocks=cc.num_host_blocks,
+        max_num_seqs=sc.max_num_seqs,
+        max_num_batched_tokens=sc.max_num_batched_tokens,
+        max_model_len=max_len,
+        finish_by="max_tokens",
+    )
+    base.update(overrides)
+    return SimConfig(**base)

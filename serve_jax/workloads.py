@@ -294,10 +294,10 @@ def azure_workload(
     path = TRACE_DIR / _AZURE_FILES[key] if key in _AZURE_FILES else Path(key)
     if not path.exists():
         raise FileNotFoundError(f"trace {str(path)!r} does not exist")
-    rows = traces.load_azure_trace(path)
+    rows = traces.load_trace(path)
     reqs = []
     for i, row in enumerate(rows):
-        t = float(row.arrival_time)
+        t = float(row.arrival_s)
         if duration_s is not None and t >= duration_s:
             break
         if max_requests is not None and len(reqs) >= max_requests:

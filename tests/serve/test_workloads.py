@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from serve_jax.workloads import (
+    TRACE_DIR,
     agentic_workload,
     gamma_arrivals,
     make_workload,
@@ -67,3 +68,28 @@ def test_unknown_workload_is_an_error():
         make_workload("nope")
     with pytest.raises(ValueError, match="rate_scale"):
         make_workload("reasoning", duration_s=10, rate_scale=0)
+
+
+def test_azure_csv_path(tmp_path):
+    csv = tmp_path / "t.csv"
+    csv.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,396,109\n"
+        "2023-11-16 18:15:51.2224670,879,55\n"
+    )
+    wl = make_workload(str(csv))
+    assert [(r.prompt_len, r.output_len) for r in wl.requests] == [(374, 44), (396, 109), (879, 55)]
+    assert wl.requests[1].arrival_time == pytest.approx(4.314579, abs=1e-5)
+    assert make_workload(str(csv), rate_scale=2.0).requests[1].arrival_time == pytest.approx(
+        4.314579 / 2, abs=1e-5
+    )
+    with pytest.raises(FileNotFoundError):
+        make_workload(str(tmp_path / "missing.csv"))
+
+
+@pytest.mark.skipif(not (TRACE_DIR / "azure_llm_conv_2023.csv").exists(), reason="no ../shared")
+def test_azure_conv_trace_from_shared_traces():
+    wl = make_workload("azure-conv", duration_s=60)
+    assert len(wl.requests) == 191  # the first minute of the trace
+    assert all(r.arrival_time < 60 for r in wl.requests)

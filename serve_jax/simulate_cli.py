@@ -1,0 +1,231 @@
+"""``python -m serve_jax simulate``: compare preemption policies on a workload in the simulator.
+
+Example::
+
+    python -m serve_jax simulate --workload reasoning \\
+        --policies fcfs_last,fewest_output,least_computed,predictive \\
+        --model llama-7b --hardware h100 --kv-memory-gb 8 --json out.json
+
+prints one row per policy (and the ratios of ``predictive`` to ``fcfs_last``), writes the rows as
+a JSON list (keys ``policy``, ``preemptions``, ``cascades``, ``p99_tpot_s``, ``p99_ttft_s``,
+``throughput_tok_s``, ``completed``, ``submitted`` first, then the other metrics) and a PNG next
+to it with the TPOT CDF of each policy and its cumulative preemptions over time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from serve_jax.preemption import POLICY_NAMES
+from serve_jax.simulator import SimConfig, SimulationResult, simulate
+from serve_jax.workloads import make_workload
+
+__all__ = ["main", "build_parser", "plot_results"]
+
+
+def build_parser(prog: str = "simulate") -> argparse.ArgumentParser:
+    """The command-line parser of ``simulate``."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m serve_jax {prog}",
+        description="Compare preemption policies on a workload with the trace-driven simulator.",
+    )
+    p.add_argument(
+        "--workload",
+        default="reasoning",
+        help="reasoning, agentic, azure-conv, azure-code, or an Azure-format CSV path",
+    )
+    p.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated names")
+    p.add_argument("--model", default="llama-7b", help="model shape (llama-7b, llama-13b, ...)")
+    p.add_argument("--hardware", default="h100", help="chip profile (h100, h200, tpu-v5e, ...)")
+    p.add_argument(
+        "--kv-memory-gb",
+        type=float,
+        default=8.0,
+        help="device memory for the KV cache, GB (<= 0: HBM left after the weights)",
+    )
+    p.add_argument("--host-memory-gb", type=float, default=64.0, help="host KV memory, GB")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="arrivals this many times faster")
+    p.add_argument("--burstiness", type=float, default=1.0, help="inter-arrival CV (synthetic)")
+    p.add_argument("--duration-s", type=float, default=None, help="span of arrivals, seconds")
+    p.add_argument("--max-requests", type=int, default=None, help="keep the first N requests")
+    p.add_argument("--seed", type=int, default=0, help="seed of synthetic workloads")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--cascade-window-s", type=float, default=1.0)
+    p.add_argument("--slo-ttft-s", type=float, default=10.0)
+    p.add_argument("--slo-tpot-s", type=float, default=0.1)
+    p.add_argument(
+        "--vllm-admission",
+        action="store_true",
+        help="no admission in a step that preempted (vLLM V1's rule); default: the engine's",
+    )
+    p.add_argument("--json", default=None, help="write the rows here (and a PNG next to it)")
+    p.add_argument("--png", default=None, help="PNG path (default: the JSON path with .png)")
+    return p
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
+        return f"{x:.4g}"
+    return str(x)
+
+
+def _print_table(results: list[SimulationResult]) -> None:
+    cols = [
+        ("policy", "policy"),
+        ("preemptions", "preempt"),
+        ("cascades", "cascades"),
+        ("back_to_back_preemption_steps", "b2b_steps"),
+        ("offload_preemptions", "offloads"),
+        ("p99_tpot_s", "p99_tpot_s"),
+        ("p50_tpot_s", "p50_tpot_s"),
+        ("p99_ttft_s", "p99_ttft_s"),
+        ("throughput_tok_s", "tok/s"),
+        ("wasted_recompute_tokens", "wasted_tok"),
+        ("goodput_req_s", "goodput"),
+        ("completed", "done"),
+        ("submitted", "sub"),
+        ("sim_wall_s", "wall_s"),
+    ]
+    rows = [[_fmt(r.row()[k]) for k, _ in cols] for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, (_, h) in enumerate(cols)]
+    print("  ".join(h.ljust(w) for (_, h), w in zip(cols, widths)))
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def _ratios(results: list[SimulationResult]) -> dict[str, float] | None:
+    by = {r.policy: r.row() for r in results}
+    if "predictive" not in by or "fcfs_last" not in by:
+        return None
+    p, f = by["predictive"], by["fcfs_last"]
+
+    def div(a: float, b: float) -> float:
+        return a / b if b else (math.inf if a else 1.0)
+
+    return {
+        "preemption_reduction_x": div(f["preemptions"], p["preemptions"]),
+        "p99_tpot_reduction_x": div(f["p99_tpot_s"], p["p99_tpot_s"]),
+        "throughput_ratio": div(p["throughput_tok_s"], f["throughput_tok_s"]),
+        "p99_ttft_ratio": div(p["p99_ttft_s"], f["p99_ttft_s"]),
+    }
+
+
+def plot_results(results: list[SimulationResult], path: str | Path, title: str = "") -> None:
+    """Writes a PNG: TPOT CDF per policy (left), cumulative preemptions over time (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in results:
+        t = np.sort(r.tpots)
+        if len(t):
+            ax1.plot(t * 1e3, np.arange(1, len(t) + 1) / len(t), label=r.policy)
+        pt = np.sort(r.preemption_times)
+        ax2.step(np.concatenate([[0.0], pt]), np.arange(len(pt) + 1), where="post", label=r.policy)
+    ax1.set_xscale("log")
+    ax1.set_xlabel("TPOT (ms)")
+    ax1.set_ylabel("fraction of requests")
+    ax1.set_title("TPOT CDF")
+    ax1.grid(alpha=0.3)
+    ax1.legend()
+    ax2.set_yscale("symlog")
+    ax2.set_xlabel("time (s)")
+    ax2.set_ylabel("preemptions (cumulative)")
+    ax2.set_title("preemptions over time")
+    ax2.grid(alpha=0.3)
+    ax2.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    """Runs the ``simulate`` command; ``argv[0]`` is the command name."""
+    args = build_parser(argv[0] if argv else "simulate").parse_args(argv[1:])
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise SystemExit("simulate: --policies is empty")
+    config = SimConfig(
+        model=args.model,
+        hardware=args.hardware,
+        kv_memory_gb=args.kv_memory_gb if args.kv_memory_gb > 0 else None,
+        host_memory_gb=args.host_memory_gb,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        cascade_window_s=args.cascade_window_s,
+        slo_ttft_s=args.slo_ttft_s,
+        slo_tpot_s=args.slo_tpot_s,
+        no_admission_after_preemption=args.vllm_admission,
+    )
+    workload = make_workload(
+        args.workload,
+        rate_scale=args.rate_scale,
+        burstiness=args.burstiness,
+        duration_s=args.duration_s,
+        max_requests=args.max_requests,
+        seed=args.seed,
+    )
+    costs = config.cost_model()
+    blocks = costs.kv_capacity_blocks(config.kv_memory_gb)
+    s = workload.summary()
+    print(
+        f"workload {workload.name}: {len(workload.requests)} requests over "
+        f"{workload.duration_s:.0f} s, prompt mean {s.get('prompt_mean', 0):.0f}, output mean "
+        f"{s.get('output_mean', 0):.0f} tokens; {args.model} on {args.hardware}, KV "
+        f"{blocks} blocks x {args.block_size} tokens ({blocks * args.block_size} tokens)"
+    )
+    results = []
+    for name in policies:
+        res = simulate(workload, name, config)
+        results.append(res)
+    _print_table(results)
+    ratios = _ratios(results)
+    if ratios:
+        print("predictive vs fcfs_last: " + ", ".join(f"{k} {_fmt(v)}" for k, v in ratios.items()))
+    for r in results:
+        if r.predictor_error:
+            e = r.predictor_error
+            print(
+                f"predictor ({r.policy}): MAE {e['mae_tokens']:.0f} tokens over "
+                f"{e['predictions_scored']:.0f} predictions; quantile coverage "
+                + ", ".join(f"{k[-3:]}={v:.2f}" for k, v in e.items() if k.startswith("coverage"))
+            )
+    if args.json:
+        rows = []
+        for r in results:
+            row = r.row()
+            row.update(
+                model=args.model,
+                hardware=args.hardware,
+                kv_memory_gb=args.kv_memory_gb,
+                rate_scale=args.rate_scale,
+                vllm_admission=args.vllm_admission,
+            )
+            if ratios and r.policy == "predictive":
+                row["vs_fcfs_last"] = ratios
+            rows.append(row)
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rows, indent=2, default=float))
+        png = Path(args.png) if args.png else path.with_suffix(".png")
+        title = (
+            f"{workload.name}, {args.model} on {args.hardware}, "
+            f"KV {args.kv_memory_gb:g} GB, rate x{args.rate_scale:g}"
+        )
+        plot_results(results, png, title)
+        print(f"wrote {path} and {png}")
+    return 0
