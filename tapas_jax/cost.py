@@ -191,35 +191,26 @@ class _Costs:
         return hit
 
 
-def _peak_live(graph: Graph) -> list[int]:
+def _peak_live(graph: Graph) -> np.ndarray:
     """Intermediate variables live at the peak of the program order (replicated sizes)."""
-    last = {}
-    for i, e in enumerate(graph.eqns):
-        for v in e.invars:
-            if v is not None:
-                last[v] = i
-    for v in graph.outputs:
-        if v is not None:
-            last[v] = len(graph.eqns)
-    frees: dict[int, list[int]] = {}
-    for v, i in last.items():
-        frees.setdefault(i, []).append(v)
-    inputs = set(graph.inputs)
-    live: set[int] = set()
-    cur = best = 0
-    best_set: list[int] = []
-    for i, e in enumerate(graph.eqns):
-        for v in e.outvars:
-            if v in last:
-                live.add(v)
-                cur += graph.nbytes(v)
-        if cur > best:
-            best, best_set = cur, list(live)
-        for v in frees.get(i, ()):
-            if v in live and v not in inputs:
-                live.discard(v)
-                cur -= graph.nbytes(v)
-    return best_set
+    eq, var, _ = graph.operand_arrays()
+    n_eqns = len(graph.eqns)
+    producer = graph.producer_array()
+    last = np.full(graph.num_vars, -1, dtype=np.int64)
+    np.maximum.at(last, var, eq)
+    outs = np.array([v for v in graph.outputs if v is not None], dtype=np.int64)
+    if outs.size:
+        last[outs] = n_eqns
+    nbytes = np.array(
+        [math.prod(s) * d.itemsize for s, d in zip(graph.shapes, graph.dtypes)], dtype=np.float64
+    )
+    inter = (producer >= 0) & (last >= 0)
+    alloc = np.bincount(producer[inter], weights=nbytes[inter], minlength=n_eqns + 1)
+    # a variable is freed after its last reader runs
+    free = np.bincount(np.minimum(last[inter], n_eqns), weights=nbytes[inter], minlength=n_eqns + 1)
+    live_after_alloc = np.cumsum(alloc) - np.concatenate([[0.0], np.cumsum(free)[:-1]])
+    t = int(np.argmax(live_after_alloc[:n_eqns])) if n_eqns else 0
+    return np.flatnonzero(inter & (producer <= t) & (last >= t))
 
 
 def build_problem(
@@ -250,7 +241,7 @@ def build_problem(
     axes = MeshAxes(mesh_axes)
     costs = _Costs(axes, hardware)
     fold = folding if folding is not None else no_folding(graph)
-    rep_var, rep_eqn, count = fold.rep_var, fold.rep_eqn, fold.count
+    rep_var, rep_eqn, count = fold.rep_var.tolist(), fold.rep_eqn.tolist(), fold.count.tolist()
     prob = Problem()
     owner: dict[int, int] = {}
     table: dict[int, tuple[list[Spec], np.ndarray]] = {}
@@ -333,12 +324,10 @@ def build_problem(
                 req[(i, kk)] = (uniq, sub[idx])
 
     # Edges: every operand read of every equation, keyed by representatives.
-    reads: Counter = Counter()
-    for i, e in enumerate(graph.eqns):
-        r = int(rep_eqn[i])
-        for kk, v in enumerate(e.invars):
-            if v is not None:
-                reads[(int(rep_var[v]), r, kk)] += 1
+    eq_idx, var_idx, pos_idx = graph.operand_arrays()
+    keys = np.stack([fold.rep_var[var_idx], fold.rep_eqn[eq_idx], pos_idx], axis=1)
+    uniq_keys, counts = np.unique(keys, axis=0, return_counts=True)
+    reads = {tuple(k): int(c) for k, c in zip(uniq_keys.tolist(), counts.tolist())}
     for (w, r, kk), c in reads.items():
         src_uniq, src_idx = table[w]
         dst_uniq, dst_idx = req[(r, kk)]
@@ -363,9 +352,10 @@ def build_problem(
     # Memory: params (+ optimizer state) and the activations live at the peak.
     mem_vars: Counter = Counter()
     for v, a in zip(graph.inputs, graph.input_args):
-        mem_vars[int(rep_var[v])] += (1.0 + optimizer_state_factor) if a == param_arg else 1.0
-    for v in _peak_live(graph):
-        mem_vars[int(rep_var[v])] += 1.0
+        mem_vars[rep_var[v]] += (1.0 + optimizer_state_factor) if a == param_arg else 1.0
+    peak = fold.rep_var[_peak_live(graph)]
+    for w, c in zip(*np.unique(peak, return_counts=True)):
+        mem_vars[int(w)] += float(c)
     for w, c in mem_vars.items():
         if w not in owner:
             continue

@@ -79,6 +79,24 @@ def _param_key(v) -> str:
     return type(v).__name__
 
 
+def _params_key(params: dict) -> tuple:
+    items = tuple(sorted(params.items(), key=lambda kv: kv[0]))
+    try:
+        hash(items)
+        if not any(isinstance(v, np.ndarray) for _, v in items):
+            return items
+    except TypeError:
+        pass
+    return tuple((k, _param_key(v)) for k, v in items)
+
+
+def _literal_key(lit) -> tuple:
+    a = np.asarray(lit)
+    if a.size == 1:
+        return ("lit", a.dtype.str, a.item())
+    return ("lit", a.dtype.str, a.shape, hash(a.tobytes()))
+
+
 def graph_hash(graph: Graph) -> int:
     """Structural hash of a whole graph (primitives, shapes, params and wiring)."""
     hashes = local_hashes(graph)
@@ -93,15 +111,16 @@ def local_hashes(graph: Graph) -> np.ndarray:
     """One integer per equation: primitive, parameters, operand and result avals."""
     out = np.empty(len(graph.eqns), dtype=np.int64)
     cache: dict[tuple, int] = {}
+    shapes, dtypes = graph.shapes, graph.dtypes
     for i, e in enumerate(graph.eqns):
         key = (
             e.prim,
-            tuple(sorted((k, _param_key(v)) for k, v in e.params.items())),
+            _params_key(e.params),
             tuple(
-                (graph.shapes[v], graph.dtypes[v].str) if v is not None else ("lit", repr(lit))
+                (shapes[v], dtypes[v]) if v is not None else _literal_key(lit)
                 for v, lit in zip(e.invars, e.literals)
             ),
-            tuple((graph.shapes[v], graph.dtypes[v].str) for v in e.outvars),
+            tuple((shapes[v], dtypes[v]) for v in e.outvars),
             graph_hash(e.body) if e.body is not None else 0,
         )
         h = cache.get(key)

@@ -79,6 +79,32 @@ class Graph:
     def nbytes(self, v: int) -> int:
         return int(np.prod(self.shapes[v], dtype=np.int64)) * np.dtype(self.dtypes[v]).itemsize
 
+    def operand_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every variable operand as parallel arrays (equation index, variable, operand index)."""
+        cached = self.__dict__.get("_operands")
+        if cached is None:
+            eq, var, pos = [], [], []
+            for i, e in enumerate(self.eqns):
+                for k, v in enumerate(e.invars):
+                    if v is not None:
+                        eq.append(i)
+                        var.append(v)
+                        pos.append(k)
+            cached = (
+                np.array(eq, dtype=np.int64),
+                np.array(var, dtype=np.int64),
+                np.array(pos, dtype=np.int64),
+            )
+            self.__dict__["_operands"] = cached
+        return cached
+
+    def producer_array(self) -> np.ndarray:
+        """`producers` as an array, cached."""
+        cached = self.__dict__.get("_producers")
+        if cached is None:
+            cached = self.__dict__["_producers"] = np.array(self.producers(), dtype=np.int64)
+        return cached
+
     def consumers(self) -> list[list[int]]:
         """For each variable, the indices of the equations that read it."""
         out: list[list[int]] = [[] for _ in range(self.num_vars)]

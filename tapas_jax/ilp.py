@@ -80,33 +80,29 @@ def solve_ilp(
         c[e_off[key] : e_off[key] + t.size] = t.ravel()
 
     rows, cols, vals = [], [], []
-    lo, hi = [], []
-    r = 0
-    for i in range(n):
-        rows += [r] * prob.sizes[i]
-        cols += list(range(offset[i], offset[i + 1]))
-        vals += [1.0] * prob.sizes[i]
-        lo.append(1.0)
-        hi.append(1.0)
-        r += 1
+    # one strategy per node
+    node_of = np.repeat(np.arange(n), prob.sizes)
+    rows.append(node_of)
+    cols.append(np.arange(nx))
+    vals.append(np.ones(nx))
+    r = n
     for (u, v), t in edges.items():
         su, sv = t.shape
-        base = e_off[(u, v)]
-        idx = np.arange(su * sv).reshape(su, sv) + base
-        for a in range(su):
-            rows += [r] * (sv + 1)
-            cols += list(idx[a]) + [offset[u] + a]
-            vals += [1.0] * sv + [-1.0]
-            lo.append(0.0)
-            hi.append(0.0)
-            r += 1
-        for b in range(sv):
-            rows += [r] * (su + 1)
-            cols += list(idx[:, b]) + [offset[v] + b]
-            vals += [1.0] * su + [-1.0]
-            lo.append(0.0)
-            hi.append(0.0)
-            r += 1
+        idx = np.arange(su * sv).reshape(su, sv) + e_off[(u, v)]
+        # sum_j e_ij - x_ui = 0 (rows r .. r+su), sum_i e_ij - x_vj = 0 (rows r+su .. r+su+sv)
+        rows += [
+            np.repeat(np.arange(su), sv) + r,
+            np.tile(np.arange(sv), su) + r + su,
+            np.arange(su) + r,
+            np.arange(sv) + r + su,
+        ]
+        cols += [idx.ravel(), idx.ravel(), offset[u] + np.arange(su), offset[v] + np.arange(sv)]
+        vals += [np.ones(su * sv), np.ones(su * sv), -np.ones(su), -np.ones(sv)]
+        r += su + sv
+    rows, cols, vals = np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)
+    lo = np.zeros(r)
+    hi = np.zeros(r)
+    lo[:n] = hi[:n] = 1.0
     constraints = [LinearConstraint(sp.csr_array((vals, (rows, cols)), shape=(r, nvar)), lo, hi)]
     if memory_limit is not None:
         mem = np.zeros(nvar)

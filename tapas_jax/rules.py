@@ -27,6 +27,8 @@ import itertools
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from .graph import Eqn, Graph
 
 Spec = tuple[str | None, ...]
@@ -701,20 +703,33 @@ def has_rule(prim: str) -> bool:
     )
 
 
-def batch_dims(graph: Graph, inputs_batched: Sequence[bool], size: int) -> list[int | None]:
+def batch_dims(
+    graph: Graph, inputs_batched: Sequence[bool], size: int, folding=None
+) -> list[int | None]:
     """Which dimension of every variable carries the batch (None: no batch dimension).
 
     Dimension 0 of each batched input is the batch if `size` divides it; the label flows through
     followers, dot products (a batch dimension that is contracted disappears, as in a weight
-    gradient), convolutions, gathers and scatters.
+    gradient), convolutions, gathers and scatters. With a `folding`, copies after the
+    representative take their labels from it instead of being propagated again.
     """
+    copied = None
+    if folding is not None and folding.blocks:
+        copied = np.zeros(len(graph.eqns), dtype=bool)
+        for b in folding.blocks:
+            copied[b.start + 2 * b.period : b.start + b.copies * b.period] = True
+        rep_var = folding.rep_var.tolist()
     bd: list[int | None] = [None] * graph.num_vars
     for v, batched in zip(graph.inputs, inputs_batched):
         if batched and graph.shapes[v] and graph.shapes[v][0] % size == 0:
             bd[v] = 0
     one = MeshAxes({"_b": size})
-    for e in graph.eqns:
+    for i, e in enumerate(graph.eqns):
         if not e.outvars:
+            continue
+        if copied is not None and copied[i]:
+            for o in e.outvars:
+                bd[o] = bd[rep_var[o]]
             continue
         outs = e.outvars
         p = e.prim
