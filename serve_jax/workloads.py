@@ -106,6 +106,25 @@ class Workload:
         )
         return Workload(self.name, reqs)
 
+    def with_token_scale(self, factor: float, max_total: int | None = None) -> Workload:
+        """Prompt and output lengths times ``factor`` (at least 1 token each).
+
+        Args:
+          factor: length multiplier (e.g. 1/100 to fit a tiny CPU model).
+          max_total: clip so that prompt + output stays within this many tokens.
+        """
+        if factor <= 0:
+            raise ValueError(f"token scale must be positive, got {factor}")
+        reqs = []
+        for r in self.requests:
+            p = max(int(round(r.prompt_len * factor)), 1)
+            o = max(int(round(r.output_len * factor)), 1)
+            if max_total is not None:
+                p = min(p, max(max_total // 2, 1))
+                o = max(min(o, max_total - p), 1)
+            reqs.append(dataclasses.replace(r, prompt_len=p, output_len=o))
+        return Workload(self.name, tuple(reqs))
+
     def head(self, num_requests: int) -> Workload:
         """The first ``num_requests`` requests (with any parent they depend on kept)."""
         keep = list(self.requests[:num_requests])
@@ -167,7 +186,7 @@ def _lognormal_int(rng, median: float, sigma: float, size: int, lo: int, hi: int
 
 def reasoning_workload(
     *,
-    rate: float = 0.1,
+    rate: float = 0.05,
     duration_s: float = 3600.0,
     burstiness: float = 1.0,
     prompt_median: float = 600.0,

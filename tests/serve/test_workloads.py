@@ -93,3 +93,14 @@ def test_azure_conv_trace_from_shared_traces():
     wl = make_workload("azure-conv", duration_s=60)
     assert len(wl.requests) == 191  # the first minute of the trace
     assert all(r.arrival_time < 60 for r in wl.requests)
+
+
+def test_token_scale_shrinks_lengths_within_a_context():
+    wl = reasoning_workload(rate=0.5, duration_s=200, seed=0)
+    small = wl.with_token_scale(0.01, max_total=64)
+    for a, b in zip(wl.requests, small.requests):
+        assert 1 <= b.prompt_len <= 32 and 1 <= b.output_len
+        assert b.prompt_len + b.output_len <= 64
+        assert b.output_len == min(max(round(a.output_len * 0.01), 1), 64 - b.prompt_len)
+    with pytest.raises(ValueError, match="token scale"):
+        wl.with_token_scale(0)
