@@ -198,6 +198,18 @@ class RooflineCostModel:
             )
         if self.step_overhead_s < 0 or self.transfer_latency_s < 0:
             raise ValueError("step_overhead_s and transfer_latency_s must be >= 0")
+        # Constants of forward_seconds, computed once (the simulator calls it every step).
+        m, hw = self.model, self.hardware
+        consts = {
+            "_flops_per_token": 2.0 * m.matmul_params,
+            "_flops_per_pair": 4.0 * m.num_heads * m.head_dim * m.num_layers,
+            "_weight_bytes": float(m.weight_bytes),
+            "_kv_bytes": float(m.kv_bytes_per_token),
+            "_flops_rate": hw.peak_flops * self.flops_efficiency,
+            "_hbm_rate": hw.hbm_bandwidth * self.hbm_efficiency,
+        }
+        for k, v in consts.items():
+            object.__setattr__(self, k, v)
 
     @classmethod
     def create(
@@ -230,13 +242,10 @@ class RooflineCostModel:
             raise ValueError("forward_seconds needs non-negative work")
         if new_tokens == 0:
             return 0.0
-        m = self.model
-        flops = 2.0 * m.matmul_params * new_tokens
-        flops += 4.0 * m.num_heads * m.head_dim * m.num_layers * attention_pairs
-        kv = m.kv_bytes_per_token
-        bytes_ = m.weight_bytes + kv * (kv_read_tokens + new_tokens)
-        t_math = flops / (self.hardware.peak_flops * self.flops_efficiency)
-        t_hbm = bytes_ / (self.hardware.hbm_bandwidth * self.hbm_efficiency)
+        flops = self._flops_per_token * new_tokens + self._flops_per_pair * attention_pairs
+        bytes_ = self._weight_bytes + self._kv_bytes * (kv_read_tokens + new_tokens)
+        t_math = flops / self._flops_rate
+        t_hbm = bytes_ / self._hbm_rate
         return max(t_math, t_hbm) + self.step_overhead_s
 
     # -- CostHints ----------------------------------------------------------------------------

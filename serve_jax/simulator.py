@@ -99,7 +99,10 @@ class _TokenView:
 
     def __getitem__(self, s: slice) -> list[int]:
         p, o = self.req.prompt_token_ids, self.req.output_token_ids
-        start, stop, _ = s.indices(len(p) + len(o))
+        n = len(p)
+        start, stop, _ = s.indices(n + len(o))
+        if start >= n:  # a decode: only output tokens
+            return o[start - n : stop - n]
         head = p[start : min(stop, len(p))] if start < len(p) else []
         tail = o[max(start - len(p), 0) : max(stop - len(p), 0)] if stop > len(p) else []
         return list(head) + list(tail)
