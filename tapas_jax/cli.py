@@ -37,6 +37,7 @@ _FLAGS = {
     "mesh": str,
     "num_devices": int,
     "hardware": str,
+    "dtype": str,
     "memory_limit_gib": float,
 }
 
@@ -70,6 +71,8 @@ def build_model(cfg: PlanConfig, **extra):
         seq_len=cfg.seq_len,
         batch=cfg.batch,
         vocab=cfg.vocab,
+        dtype=cfg.dtype,
+        remat=cfg.remat,
         **extra,
     )
 

@@ -136,3 +136,7 @@ class PlanConfig:
     """Hardware profile name (see tapas_jax.hardware.PROFILES)."""
     memory_limit_gib: float | None = None
     """Per-device memory limit; None uses the profile's HBM size."""
+    dtype: str = "float32"
+    """Param and activation dtype of the zoo model (float32, bfloat16)."""
+    remat: bool = False
+    """Rematerialise each layer in the backward pass (activation checkpointing)."""

@@ -191,9 +191,12 @@ class _Costs:
         return hit
 
 
-def _peak_live(graph: Graph) -> np.ndarray:
-    """Intermediate variables live at the peak of the program order (replicated sizes)."""
-    eq, var, _ = graph.operand_arrays()
+def _peak_live(graph: Graph, constant: list[bool]) -> np.ndarray:
+    """Intermediate variables live at the peak of the program order (replicated sizes).
+
+    Constants (broadcast literals, iotas) are left out: XLA fuses them into their readers.
+    """
+    eq, var, _, _ = graph.operand_arrays()
     n_eqns = len(graph.eqns)
     producer = graph.producer_array()
     last = np.full(graph.num_vars, -1, dtype=np.int64)
@@ -204,7 +207,7 @@ def _peak_live(graph: Graph) -> np.ndarray:
     nbytes = np.array(
         [math.prod(s) * d.itemsize for s, d in zip(graph.shapes, graph.dtypes)], dtype=np.float64
     )
-    inter = (producer >= 0) & (last >= 0)
+    inter = (producer >= 0) & (last >= 0) & ~np.asarray(constant, dtype=bool)
     alloc = np.bincount(producer[inter], weights=nbytes[inter], minlength=n_eqns + 1)
     # a variable is freed after its last reader runs
     free = np.bincount(np.minimum(last[inter], n_eqns), weights=nbytes[inter], minlength=n_eqns + 1)
@@ -324,10 +327,11 @@ def build_problem(
                 req[(i, kk)] = (uniq, sub[idx])
 
     # Edges: every operand read of every equation, keyed by representatives.
-    eq_idx, var_idx, pos_idx = graph.operand_arrays()
+    eq_idx, var_idx, pos_idx, weight = graph.operand_arrays()
     keys = np.stack([fold.rep_var[var_idx], fold.rep_eqn[eq_idx], pos_idx], axis=1)
-    uniq_keys, counts = np.unique(keys, axis=0, return_counts=True)
-    reads = {tuple(k): int(c) for k, c in zip(uniq_keys.tolist(), counts.tolist())}
+    uniq_keys, inverse = np.unique(keys, axis=0, return_inverse=True)
+    counts = np.bincount(inverse.ravel(), weights=weight, minlength=len(uniq_keys))
+    reads = {tuple(k): float(c) for k, c in zip(uniq_keys.tolist(), counts.tolist())}
     for (w, r, kk), c in reads.items():
         src_uniq, src_idx = table[w]
         dst_uniq, dst_idx = req[(r, kk)]
@@ -353,7 +357,7 @@ def build_problem(
     mem_vars: Counter = Counter()
     for v, a in zip(graph.inputs, graph.input_args):
         mem_vars[rep_var[v]] += (1.0 + optimizer_state_factor) if a == param_arg else 1.0
-    peak = fold.rep_var[_peak_live(graph)]
+    peak = fold.rep_var[_peak_live(graph, const)]
     for w, c in zip(*np.unique(peak, return_counts=True)):
         mem_vars[int(w)] += float(c)
     for w, c in mem_vars.items():

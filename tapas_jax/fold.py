@@ -46,15 +46,18 @@ class Folding:
     rep_eqn: np.ndarray
     rep_var: np.ndarray
     count: np.ndarray
-    """Multiplicity of each representative equation (0 for non-representatives)."""
+    """Multiplicity of each representative equation (0 for non-representatives); includes
+    the weight of scan bodies."""
+    scans: list[int] = dataclasses.field(default_factory=list)
+    """Lengths of the scans (each an already folded block)."""
 
     @property
     def layers(self) -> int:
-        return max((b.copies for b in self.blocks), default=0)
+        return max([b.copies for b in self.blocks] + list(self.scans) + [0])
 
     @property
     def unique_blocks(self) -> int:
-        return len(self.blocks)
+        return len(self.blocks) + len(self.scans)
 
     @property
     def eqns_before(self) -> int:
@@ -122,6 +125,7 @@ def local_hashes(graph: Graph) -> np.ndarray:
             ),
             tuple((shapes[v], dtypes[v]) for v in e.outvars),
             graph_hash(e.body) if e.body is not None else 0,
+            e.weight,
         )
         h = cache.get(key)
         if h is None:
@@ -217,7 +221,8 @@ def _find(hashes, eqns, producer, lo, hi, min_period, out: list[Block]) -> None:
 def no_folding(graph: Graph) -> Folding:
     """The identity folding (every equation its own representative): the unfolded problem."""
     n = len(graph.eqns)
-    return Folding([], np.arange(n), np.arange(graph.num_vars), np.ones(n, dtype=np.int64))
+    weights = np.array([e.weight for e in graph.eqns], dtype=np.float64)
+    return Folding([], np.arange(n), np.arange(graph.num_vars), weights, list(graph.scans))
 
 
 def fold_repeated_blocks(graph: Graph, min_period: int = MIN_PERIOD) -> Folding:
@@ -249,7 +254,7 @@ def fold_repeated_blocks(graph: Graph, min_period: int = MIN_PERIOD) -> Folding:
                 for v, w in zip(eqns[i].outvars, eqns[r].outvars):
                     rep_var[v] = w
         for j in range(b.period):
-            count[rep_base + j] = b.copies
+            count[rep_base + j] = b.copies * eqns[rep_base + j].weight
     # Inputs (per-layer params) map to the input read at the same place in the representative.
     seen_input = np.zeros(graph.num_vars, dtype=bool)
     is_input = np.zeros(graph.num_vars, dtype=bool)
@@ -274,4 +279,4 @@ def fold_repeated_blocks(graph: Graph, min_period: int = MIN_PERIOD) -> Folding:
     for v in graph.inputs:  # representatives map to themselves
         if rep_var[rep_var[v]] != rep_var[v]:
             rep_var[v] = v
-    return Folding(blocks, rep_eqn, rep_var, count)
+    return Folding(blocks, rep_eqn, rep_var, count, list(graph.scans))

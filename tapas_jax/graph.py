@@ -3,9 +3,10 @@
 `build_graph(fn, *args)` traces ``fn`` with `jax.make_jaxpr` on abstract arguments and flattens
 nested call-like jaxprs (``jit``/``pjit``, ``remat``/``checkpoint``, ``custom_jvp_call``,
 ``custom_vjp_call``, ``closed_call``) into one list of equations, renaming variables to integers.
-``scan`` stays one equation whose ``body`` is itself a flattened `Graph` (its layers are one block
-repeated ``length`` times, with a leading layer axis on the stacked operands); other higher-order
-primitives (``cond``, ``while``) stay opaque and are planned conservatively by the rules.
+A ``scan`` body is inlined once with `Eqn.weight` = ``length`` (its layers are one block repeated
+``length`` times, already folded), between ``scan_slice`` / ``scan_carry`` / ``scan_stack``
+boundary equations; other higher-order primitives (``cond``, ``while``) stay opaque and are
+planned conservatively by the rules.
 
 Invariants: variables are numbered densely; `Graph.inputs` follow the flattening order of the
 arguments (`jax.tree_util.tree_flatten_with_path`); every input has a path string such as
@@ -53,7 +54,12 @@ class Eqn:
     """The literal values (None where the operand is a variable)."""
     outvars: list[int]
     body: Graph | None = None
-    """For ``scan``: the flattened body."""
+    """Unused by the flattener (scan bodies are inlined); kept for hand-built graphs."""
+    weight: float = 1.0
+    """How many times the equation runs per call (``length`` inside a scan body)."""
+    operand_weights: list[float] | None = None
+    """Per-operand multiplier of `weight` for reads (a scan carry's back edge runs length-1
+    times); None means 1 for every operand."""
 
 
 @dataclasses.dataclass
@@ -69,6 +75,8 @@ class Graph:
     input_args: list[int]
     """Positional argument index of each input."""
     const_values: dict[int, Any] = dataclasses.field(default_factory=dict)
+    scans: list[int] = dataclasses.field(default_factory=list)
+    """``length`` of every inlined scan."""
     in_treedef: Any = None
     out_treedef: Any = None
 
@@ -79,21 +87,24 @@ class Graph:
     def nbytes(self, v: int) -> int:
         return int(np.prod(self.shapes[v], dtype=np.int64)) * np.dtype(self.dtypes[v]).itemsize
 
-    def operand_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every variable operand as parallel arrays (equation index, variable, operand index)."""
+    def operand_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every variable operand as parallel arrays: equation, variable, position, weight."""
         cached = self.__dict__.get("_operands")
         if cached is None:
-            eq, var, pos = [], [], []
+            eq, var, pos, wt = [], [], [], []
             for i, e in enumerate(self.eqns):
+                ow = e.operand_weights
                 for k, v in enumerate(e.invars):
                     if v is not None:
                         eq.append(i)
                         var.append(v)
                         pos.append(k)
+                        wt.append(e.weight * (ow[k] if ow is not None else 1.0))
             cached = (
                 np.array(eq, dtype=np.int64),
                 np.array(var, dtype=np.int64),
                 np.array(pos, dtype=np.int64),
+                np.array(wt, dtype=np.float64),
             )
             self.__dict__["_operands"] = cached
         return cached
@@ -123,8 +134,12 @@ class Graph:
         return out
 
     def count_eqns(self) -> int:
-        """Equations including those inside scan bodies (counted once)."""
-        return sum(1 + (e.body.count_eqns() if e.body is not None else 0) for e in self.eqns)
+        """Equations (a scan body is inlined once)."""
+        return len(self.eqns)
+
+    def layer_runs(self) -> float:
+        """Equation executions per call (scan bodies count ``length`` times)."""
+        return float(sum(e.weight for e in self.eqns))
 
 
 def path_string(path: Sequence[Any]) -> str:
@@ -150,6 +165,76 @@ class _Builder:
     def __init__(self):
         self.shapes: list[tuple[int, ...]] = []
         self.dtypes: list[np.dtype] = []
+        self.weight = 1.0
+        self.scans: list[int] = []
+
+    def emit(self, eqns: list[Eqn], e: Eqn) -> Eqn:
+        e.weight = self.weight
+        eqns.append(e)
+        return e
+
+    def as_var(self, vid, lit, aval, eqns) -> int:
+        if vid is not None:
+            return vid
+        nv = self.new_var(aval)
+        self.emit(eqns, Eqn("constant", {"value": lit}, [], [], [nv]))
+        return nv
+
+    def inline_scan(self, eqn, read, env: dict, eqns: list[Eqn]) -> None:
+        """Inlines a scan body once, weighted by ``length``, with explicit boundary equations.
+
+        ``scan_slice`` reads one layer of a stacked operand, ``scan_carry`` is the loop-carried
+        value (fed by the initial value once and by the previous iteration length-1 times), and
+        ``scan_stack`` stacks a per-iteration result.
+        """
+        prm = eqn.params
+        length, nc, ncar = int(prm["length"]), int(prm["num_consts"]), int(prm["num_carry"])
+        closed = prm["jaxpr"]
+        inner = closed.jaxpr
+        args = [read(x) for x in eqn.invars]
+        sub_env: dict = {}
+        for cv, c in zip(inner.constvars, closed.consts):
+            vid = self.new_var(cv.aval)
+            sub_env[cv] = vid
+            self.emit(eqns, Eqn("constant", {"value": c}, [], [], [vid]))
+        carries = []
+        for j, (iv, (vid, lit), ov) in enumerate(zip(inner.invars, args, eqn.invars)):
+            outer = self.as_var(vid, lit, ov.aval, eqns)
+            if j < nc:
+                sub_env[iv] = outer
+            elif j < nc + ncar:
+                b = self.new_var(iv.aval)
+                sub_env[iv] = b
+                carries.append(
+                    self.emit(
+                        eqns,
+                        Eqn("scan_carry", {"length": length}, [outer, None], [None, None], [b]),
+                    )
+                )
+            else:
+                b = self.new_var(iv.aval)
+                sub_env[iv] = b
+                self.emit(eqns, Eqn("scan_slice", {"length": length}, [outer], [None], [b]))
+        self.scans.append(length)
+        outer_weight = self.weight
+        self.weight = outer_weight * length
+        self.flatten(inner, sub_env, eqns)
+        self.weight = outer_weight
+        body_outs = []
+        for iv in inner.outvars:
+            if isinstance(iv, jcore.Literal):
+                body_outs.append(self.as_var(None, iv.val, iv.aval, eqns))
+            else:
+                body_outs.append(sub_env[iv])
+        for e, b in zip(carries, body_outs[:ncar]):
+            e.invars[1] = b
+            e.operand_weights = [1.0, float(length - 1)]
+        for ov, b in zip(eqn.outvars[:ncar], body_outs[:ncar]):
+            env[ov] = b
+        for ov, b in zip(eqn.outvars[ncar:], body_outs[ncar:]):
+            y = self.new_var(ov.aval)
+            env[ov] = y
+            self.emit(eqns, Eqn("scan_stack", {"length": length}, [b], [None], [y]))
 
     def new_var(self, aval) -> int:
         self.shapes.append(tuple(int(d) for d in aval.shape))
@@ -176,22 +261,25 @@ class _Builder:
                     for cv, c in zip(inner.constvars, closed.consts):
                         vid = self.new_var(cv.aval)
                         sub_env[cv] = vid
-                        eqns.append(Eqn("constant", {"value": c}, [], [], [vid]))
+                        self.emit(eqns, Eqn("constant", {"value": c}, [], [], [vid]))
                 args = [read(x) for x in eqn.invars]
                 for iv, (vid, lit) in zip(inner.invars, args):
                     if vid is None:
                         nv = self.new_var(iv.aval)
-                        eqns.append(Eqn("constant", {"value": lit}, [], [], [nv]))
+                        self.emit(eqns, Eqn("constant", {"value": lit}, [], [], [nv]))
                         vid = nv
                     sub_env[iv] = vid
                 self.flatten(inner, sub_env, eqns)
                 for ov, iv in zip(eqn.outvars, inner.outvars):
                     if isinstance(iv, jcore.Literal):
                         nv = self.new_var(ov.aval)
-                        eqns.append(Eqn("constant", {"value": iv.val}, [], [], [nv]))
+                        self.emit(eqns, Eqn("constant", {"value": iv.val}, [], [], [nv]))
                         env[ov] = nv
                     else:
                         env[ov] = sub_env[iv]
+                continue
+            if name == "scan":
+                self.inline_scan(eqn, read, env, eqns)
                 continue
             ins = [read(x) for x in eqn.invars]
             outs = [self.new_var(v.aval) for v in eqn.outvars]
@@ -199,42 +287,14 @@ class _Builder:
                 env[ov] = vid
             body = None
             params = dict(eqn.params)
-            if name == "scan":
-                body = _sub_graph(params.pop("jaxpr"))
-            else:
-                for k, v in list(params.items()):
-                    if isinstance(v, jcore.ClosedJaxpr | jcore.Jaxpr) or (
-                        isinstance(v, tuple) and v and isinstance(v[0], jcore.ClosedJaxpr)
-                    ):
-                        params[k] = "<jaxpr>"
-            eqns.append(Eqn(name, params, [i for i, _ in ins], [lit for _, lit in ins], outs, body))
-
-
-def _sub_graph(closed) -> Graph:
-    b = _Builder()
-    inner = closed.jaxpr
-    env: dict = {}
-    eqns: list[Eqn] = []
-    inputs = []
-    for cv, c in zip(inner.constvars, closed.consts):
-        vid = b.new_var(cv.aval)
-        env[cv] = vid
-        eqns.append(Eqn("constant", {"value": c}, [], [], [vid]))
-    for iv in inner.invars:
-        vid = b.new_var(iv.aval)
-        env[iv] = vid
-        inputs.append(vid)
-    b.flatten(inner, env, eqns)
-    outputs = [None if isinstance(o, jcore.Literal) else env[o] for o in inner.outvars]
-    return Graph(
-        eqns,
-        b.shapes,
-        b.dtypes,
-        inputs,
-        outputs,
-        [f"in{i}" for i in range(len(inputs))],
-        [0] * len(inputs),
-    )
+            for k, v in list(params.items()):
+                if isinstance(v, jcore.ClosedJaxpr | jcore.Jaxpr) or (
+                    isinstance(v, tuple) and v and isinstance(v[0], jcore.ClosedJaxpr)
+                ):
+                    params[k] = "<jaxpr>"
+            self.emit(
+                eqns, Eqn(name, params, [i for i, _ in ins], [lit for _, lit in ins], outs, body)
+            )
 
 
 def _abstract(x):
@@ -283,5 +343,15 @@ def build_graph(fn: Callable[..., Any], *args: Any) -> Graph:
     out_shape = jax.eval_shape(fn, *abstract)
     out_treedef = jax.tree_util.tree_structure(out_shape)
     return Graph(
-        eqns, b.shapes, b.dtypes, inputs, outputs, paths, arg_idx, {}, treedef, out_treedef
+        eqns,
+        b.shapes,
+        b.dtypes,
+        inputs,
+        outputs,
+        paths,
+        arg_idx,
+        {},
+        b.scans,
+        treedef,
+        out_treedef,
     )

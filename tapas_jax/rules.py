@@ -390,6 +390,13 @@ def follow(eqn: Eqn, graph: Graph, k: int, spec: Spec, axes: MeshAxes) -> Strate
                 kept[d] = None
         out = tuple(kept)
         return Strategy((out,), reqs(out, tuple(kept)), (), 0.0, traffic(out))
+    if p == "scan_slice":  # one layer of a stacked operand; the layer axis stays whole
+        kept[0] = None
+        out = tuple(kept[1:])
+        return Strategy((out,), reqs(out, tuple(kept)), (), 0.0, 0.0)
+    if p == "scan_stack":
+        out = (None, *kept)
+        return Strategy((out,), reqs(out, tuple(kept)), (), 0.0, 0.0)
     if p in ("concatenate", "split"):
         d = eqn.params.get("dimension", eqn.params.get("axis"))
         kept[d] = None
@@ -635,6 +642,8 @@ def leader_strategies(eqn: Eqn, graph: Graph, axes: MeshAxes) -> list[Strategy] 
         return [replicated(eqn, graph)]
     if p == "dot_general":
         return _dot(eqn, graph, axes)
+    if p == "scan_carry":
+        return [Strategy((s,), (s, s)) for s in candidate_specs(graph.shapes[eqn.outvars[0]], axes)]
     if p == "conv_general_dilated":
         return _conv(eqn, graph, axes)
     if p == "gather":
@@ -676,6 +685,8 @@ FOLLOWERS = (
         "concatenate",
         "split",
         "sort",
+        "scan_slice",
+        "scan_stack",
     }
     | ELEMENTWISE
     | REDUCE_ALLREDUCE
@@ -699,7 +710,7 @@ def has_rule(prim: str) -> bool:
     return (
         prim in FOLLOWERS
         or prim in SOURCES
-        or prim in ("dot_general", "conv_general_dilated", "gather", "scatter-add")
+        or prim in ("dot_general", "conv_general_dilated", "gather", "scatter-add", "scan_carry")
     )
 
 
@@ -765,6 +776,13 @@ def batch_dims(
                 d = bd[e.invars[1]]
                 if d < len(batch_out):
                     res[0] = batch_out[d]
+        elif p == "scan_carry":
+            res[0] = bd[e.invars[0]] if e.invars[0] is not None else None
+        elif p == "scan_slice":
+            d = bd[e.invars[0]]
+            res[0] = d - 1 if d else None
+        elif p == "scan_stack":
+            res[0] = bd[e.invars[0]] + 1
         elif p in ELEMENTWISE:
             oshape = graph.shapes[outs[0]]
             for _, v in labelled:

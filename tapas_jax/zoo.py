@@ -55,14 +55,15 @@ class ZooModel:
 class Attention(nnx.Module):
     """Causal multi-head self-attention with separate query, key and value projections."""
 
-    def __init__(self, d: int, heads: int, *, rngs: nnx.Rngs, causal: bool = True):
+    def __init__(self, d: int, heads: int, *, rngs: nnx.Rngs, causal: bool = True, dtype=None):
         if d % heads:
             raise ValueError(f"d_model {d} is not divisible by heads {heads}")
         self.heads, self.causal = heads, causal
-        self.query = nnx.Linear(d, d, rngs=rngs)
-        self.key = nnx.Linear(d, d, rngs=rngs)
-        self.value = nnx.Linear(d, d, rngs=rngs)
-        self.out = nnx.Linear(d, d, rngs=rngs)
+        kw = _dtypes(dtype)
+        self.query = nnx.Linear(d, d, rngs=rngs, **kw)
+        self.key = nnx.Linear(d, d, rngs=rngs, **kw)
+        self.value = nnx.Linear(d, d, rngs=rngs, **kw)
+        self.out = nnx.Linear(d, d, rngs=rngs, **kw)
 
     def __call__(self, x, context=None):
         context = x if context is None else context
@@ -82,9 +83,10 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, d: int, hidden: int, *, rngs: nnx.Rngs):
-        self.fc1 = nnx.Linear(d, hidden, rngs=rngs)
-        self.fc2 = nnx.Linear(hidden, d, rngs=rngs)
+    def __init__(self, d: int, hidden: int, *, rngs: nnx.Rngs, dtype=None):
+        kw = _dtypes(dtype)
+        self.fc1 = nnx.Linear(d, hidden, rngs=rngs, **kw)
+        self.fc2 = nnx.Linear(hidden, d, rngs=rngs, **kw)
 
     def __call__(self, x):
         return self.fc2(jax.nn.gelu(self.fc1(x)))
@@ -93,56 +95,78 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer block."""
 
-    def __init__(self, d: int, heads: int, *, rngs: nnx.Rngs, causal: bool = True):
-        self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-        self.attn = Attention(d, heads, rngs=rngs, causal=causal)
-        self.ln2 = nnx.LayerNorm(d, rngs=rngs)
-        self.mlp = MLP(d, 4 * d, rngs=rngs)
+    def __init__(self, d: int, heads: int, *, rngs: nnx.Rngs, causal: bool = True, dtype=None):
+        kw = _dtypes(dtype)
+        self.ln1 = nnx.LayerNorm(d, rngs=rngs, **kw)
+        self.attn = Attention(d, heads, rngs=rngs, causal=causal, dtype=dtype)
+        self.ln2 = nnx.LayerNorm(d, rngs=rngs, **kw)
+        self.mlp = MLP(d, 4 * d, rngs=rngs, dtype=dtype)
 
     def __call__(self, x):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
 
+def _dtypes(dtype) -> dict:
+    return {} if dtype is None else {"dtype": dtype, "param_dtype": dtype}
+
+
+def _run_block(block, x):
+    return block(x)
+
+
 class GPT(nnx.Module):
     """Decoder-only transformer with unrolled layers (one Python loop: N copies in the jaxpr)."""
 
-    def __init__(self, layers, d, heads, seq_len, vocab, *, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(vocab, d, rngs=rngs)
-        self.pos = nnx.Param(jax.random.normal(rngs.params(), (seq_len, d)) * 0.02)
-        self.blocks = nnx.List([Block(d, heads, rngs=rngs) for _ in range(layers)])
-        self.ln_f = nnx.LayerNorm(d, rngs=rngs)
-        self.head = nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
+    def __init__(
+        self, layers, d, heads, seq_len, vocab, *, rngs: nnx.Rngs, dtype=None, remat=False
+    ):
+        kw = _dtypes(dtype)
+        self.remat = remat
+        self.embed = nnx.Embed(vocab, d, rngs=rngs, **kw)
+        self.pos = nnx.Param(
+            jax.random.normal(rngs.params(), (seq_len, d), dtype or jnp.float32) * 0.02
+        )
+        self.blocks = nnx.List([Block(d, heads, rngs=rngs, dtype=dtype) for _ in range(layers)])
+        self.ln_f = nnx.LayerNorm(d, rngs=rngs, **kw)
+        self.head = nnx.Linear(d, vocab, use_bias=False, rngs=rngs, **kw)
 
     def __call__(self, tokens):
         x = self.embed(tokens) + self.pos[...][None, : tokens.shape[1]]
         for block in self.blocks:
-            x = block(x)
+            x = nnx.remat(_run_block)(block, x) if self.remat else block(x)
         return self.head(self.ln_f(x))
 
 
 class ScanGPT(nnx.Module):
     """The same decoder with stacked layers (leading layer axis) run by `nnx.scan`."""
 
-    def __init__(self, layers, d, heads, seq_len, vocab, *, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(vocab, d, rngs=rngs)
-        self.pos = nnx.Param(jax.random.normal(rngs.params(), (seq_len, d)) * 0.02)
+    def __init__(
+        self, layers, d, heads, seq_len, vocab, *, rngs: nnx.Rngs, dtype=None, remat=False
+    ):
+        kw = _dtypes(dtype)
+        self.remat = remat
+        self.embed = nnx.Embed(vocab, d, rngs=rngs, **kw)
+        self.pos = nnx.Param(
+            jax.random.normal(rngs.params(), (seq_len, d), dtype or jnp.float32) * 0.02
+        )
 
         @nnx.split_rngs(splits=layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make(rngs):
-            return Block(d, heads, rngs=rngs)
+            return Block(d, heads, rngs=rngs, dtype=dtype)
 
         self.blocks = make(rngs)
-        self.ln_f = nnx.LayerNorm(d, rngs=rngs)
-        self.head = nnx.Linear(d, vocab, use_bias=False, rngs=rngs)
+        self.ln_f = nnx.LayerNorm(d, rngs=rngs, **kw)
+        self.head = nnx.Linear(d, vocab, use_bias=False, rngs=rngs, **kw)
 
     def __call__(self, tokens):
         x = self.embed(tokens) + self.pos[...][None, : tokens.shape[1]]
+        run = nnx.remat(_run_block) if self.remat else _run_block
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
         def body(x, block):
-            return block(x)
+            return run(block, x)
 
         x = body(x, self.blocks)
         return self.head(self.ln_f(x))
@@ -180,12 +204,33 @@ def _model_entry(name, make, inputs_fn, loss_of_model, train=True):
     return ZooModel(name, fn, params, abstract_inputs, init, inputs_fn, train)
 
 
-def gpt(layers=2, d_model=64, heads=4, seq_len=16, batch=4, vocab=256, *, scan=False, train=True):
+def gpt(
+    layers=2,
+    d_model=64,
+    heads=4,
+    seq_len=16,
+    batch=4,
+    vocab=256,
+    dtype="float32",
+    remat=False,
+    *,
+    scan=False,
+    train=True,
+):
     """A GPT language model; ``fn`` is an SGD training step (or the loss when ``train=False``)."""
     cls = ScanGPT if scan else GPT
 
     def make(seed):
-        return cls(layers, d_model, heads, seq_len, vocab, rngs=nnx.Rngs(seed))
+        return cls(
+            layers,
+            d_model,
+            heads,
+            seq_len,
+            vocab,
+            rngs=nnx.Rngs(seed),
+            dtype=jnp.dtype(dtype),
+            remat=remat,
+        )
 
     def inputs(seed):
         key = jax.random.key(seed + 1)
