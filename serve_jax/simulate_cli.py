@@ -255,7 +255,12 @@ def main(argv: list[str]) -> int:
 def _engine_mode(args: argparse.Namespace, workload, policies: list[str]) -> int:
     """Each policy on the real engine, then the simulator on the engine's step times."""
     from serve_jax.config import load_engine_config
-    from serve_jax.simulator import latency_summary, replay_on_engine, simulator_config_for_engine
+    from serve_jax.simulator import (
+        count_cascades,
+        latency_summary,
+        replay_on_engine,
+        simulator_config_for_engine,
+    )
 
     cfg = load_engine_config(args.engine, args.engine_override)
     sim_cfg = simulator_config_for_engine(cfg, cascade_window_s=args.cascade_window_s)
@@ -280,13 +285,7 @@ def _engine_mode(args: argparse.Namespace, workload, policies: list[str]) -> int
             {
                 "policy": name,
                 "preemptions": len(real.preemptions),
-                "cascades": sum(
-                    1
-                    for r in real.requests
-                    for k in range(1, len(r.preemption_times))
-                    if k - 1 < len(r.resume_times)
-                    and r.preemption_times[k] - r.resume_times[k - 1] <= args.cascade_window_s
-                ),
+                "cascades": count_cascades(real.requests, args.cascade_window_s),
                 "p99_tpot_s": lat["p99_tpot_s"],
                 "p99_ttft_s": lat["p99_ttft_s"],
                 "throughput_tok_s": out_tokens / makespan if makespan > 0 else 0.0,
