@@ -2,11 +2,13 @@
 
 `paged_attention` is the serving kernel: queries of several sequences, each with its own length
 (padded per sequence to a common T; padding is masked by position), attend over the pages their
-block tables name in a shared page pool. It gathers each sequence's pages into a contiguous
-context and applies the same masked softmax as `context_attention`, so the paged engine and the
-dense reference agree to float rounding. Grouped-query attention: ``n_heads`` query heads share
-``n_kv_heads`` K/V heads. On TPU, Pallas' ``ragged_paged_attention`` would replace the gather
-(it does not run on CPU, so the pure-JAX path is the one tested here).
+block tables name in a shared page pool. It walks the context a chunk of pages at a time with an
+online softmax and stops at the longest live context, so its cost tracks the real context and a
+single compiled shape serves all lengths; `context_attention` is the plain masked softmax over a
+contiguous cache (the dense reference), and the two agree to float rounding. Grouped-query
+attention: ``n_heads`` query heads share ``n_kv_heads`` K/V heads. On TPU, Pallas'
+``ragged_paged_attention`` could replace this loop (it does not run on CPU, so the pure-JAX
+path is the one used and tested here).
 """
 
 from __future__ import annotations
@@ -59,19 +61,58 @@ def paged_attention(
     v_pool: jax.Array,
     block_tables: jax.Array,
     q_positions: jax.Array,
+    chunk_tokens: int = 128,
 ) -> jax.Array:
     """Ragged paged attention: each sequence's queries over the pages of its block table.
 
+    The context is visited in chunks of ``chunk_tokens`` (whole pages) with an online softmax
+    (running max and sum, as flash attention does), and the loop stops after the chunk holding
+    the batch's largest query position: the cost follows the longest live context, not the
+    padded width of the block tables, so one compiled shape serves every context length.
+
     Args:
-      q: [B, T, H, D] queries (sequence b's padding rows are ignored by the caller).
+      q: [B, T, H, D] queries (padding rows are ignored by the caller).
       k_pool: [NB, bs, KV, D] one layer's key pages.
       v_pool: [NB, bs, KV, D] value pages.
       block_tables: [B, maxb] int32 page ids; entry j holds positions j*bs .. (j+1)*bs-1.
-      q_positions: [B, T] positions of the queries.
+      q_positions: [B, T] positions of the queries (a query sees positions <= its own).
+      chunk_tokens: context tokens per loop iteration (rounded to whole pages).
 
     Returns:
-      [B, T, H, D].
+      [B, T, H, D] in q's dtype (computed in float32).
     """
-    return context_attention(
-        q, gather_pages(k_pool, block_tables), gather_pages(v_pool, block_tables), q_positions
+    b, t, h, d = q.shape
+    bs, kv = k_pool.shape[1], k_pool.shape[2]
+    g = h // kv
+    m_blocks = block_tables.shape[1]
+    pages = max(1, min(m_blocks, chunk_tokens // bs))
+    n_total = -(-m_blocks // pages)
+    tables = jnp.pad(block_tables, ((0, 0), (0, n_total * pages - m_blocks)))
+    width = pages * bs
+    n_chunks = jnp.minimum(jnp.max(q_positions) // width + 1, n_total)
+    qg = q.astype(jnp.float32).reshape(b, t, kv, g, d) * (d**-0.5)
+
+    def body(c, carry):
+        m, denom, acc = carry
+        tbl = jax.lax.dynamic_slice_in_dim(tables, c * pages, pages, axis=1)
+        k = k_pool[tbl].reshape(b, width, kv, d).astype(jnp.float32)
+        v = v_pool[tbl].reshape(b, width, kv, d).astype(jnp.float32)
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, k)
+        kv_pos = c * width + jnp.arange(width)
+        mask = (kv_pos[None, None, :] <= q_positions[:, :, None])[:, None, None]
+        s = jnp.where(mask, s, _MASKED)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        denom = denom * corr + jnp.sum(p, axis=-1)
+        acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p, v)
+        return m_new, denom, acc
+
+    init = (
+        jnp.full((b, kv, g, t), _MASKED, jnp.float32),
+        jnp.zeros((b, kv, g, t), jnp.float32),
+        jnp.zeros((b, kv, g, t, d), jnp.float32),
     )
+    _, denom, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    out = acc / jnp.maximum(denom, 1e-30)[..., None]  # [B, KV, G, T, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d).astype(q.dtype)

@@ -74,11 +74,15 @@ class ExecutorSection:
     """Padding of the jitted step's shapes (each distinct shape compiles once)."""
 
     min_batch: int = 1
-    """Smallest padded batch (batches are padded to powers of two at least this)."""
+    """Smallest padded decode batch (batches are padded to powers of two at least this)."""
+    prefill_rows: int = 0
+    """Rows per prefill call (more chunks: more calls); 0: one call, batch padded to pow2."""
     min_chunk: int = 1
     """Smallest padded prefill chunk length (decodes are length 1)."""
     min_table_blocks: int = 1
     """Smallest padded block-table width."""
+    warmup: bool = False
+    """Compile every step shape when the engine starts (servers and replays)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -208,6 +208,7 @@ class Engine:
             cc.block_size,
             use_host_tier=cc.num_host_blocks > 0,
             min_batch=self.config.executor.min_batch,
+            prefill_rows=self.config.executor.prefill_rows,
             min_chunk=self.config.executor.min_chunk,
             min_table_blocks=self.config.executor.min_table_blocks,
         )
@@ -216,6 +217,13 @@ class Engine:
         self._ids = itertools.count()
         self.num_generated_tokens = 0
         self.num_steps = 0
+        if self.config.executor.warmup:
+            self.warmup()
+
+    def warmup(self) -> int:
+        """Compiles the executor's step shapes now (instead of on first use); returns count."""
+        sc = self.config.scheduler
+        return self.executor.warmup(sc.max_num_seqs, sc.max_num_batched_tokens)
 
     @property
     def max_model_len(self) -> int:

@@ -35,6 +35,15 @@ from serve_jax.scheduler import ExecutorOutput, ScheduledChunk, SchedulerOutput
 __all__ = ["JaxExecutor", "pad_pow2"]
 
 
+def _pow2_range(lo: int, hi: int) -> list[int]:
+    out, x = [], 1
+    while x < hi:
+        if x >= lo:
+            out.append(x)
+        x *= 2
+    return [*out, hi] if hi >= lo else out
+
+
 def pad_pow2(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum)."""
     n = max(n, minimum)
@@ -64,7 +73,9 @@ class JaxExecutor:
       block_size: tokens per page.
       use_host_tier: keep a host tier for offload (needs a host memory kind on the device).
       device: where pools and weights live (default: the first device).
-      min_batch: smallest padded batch (raise it to compile fewer shapes).
+      min_batch: smallest padded decode batch (raise it to compile fewer shapes).
+      prefill_rows: rows per prefill call (chunks beyond it go in further calls); 0 puts
+        all prefill chunks of a step in one call padded to a power of two.
       min_chunk: smallest padded prefill chunk length.
       min_table_blocks: smallest padded block-table width.
     """
@@ -77,12 +88,15 @@ class JaxExecutor:
         use_host_tier: bool = True,
         device=None,
         min_batch: int = 1,
+        prefill_rows: int = 0,
         min_chunk: int = 1,
         min_table_blocks: int = 1,
     ):
         self.min_batch, self.min_chunk = min_batch, min_chunk
+        self.prefill_rows = prefill_rows
         self.min_table_blocks = min_table_blocks
         self.cfg = model.cfg
+        self.max_table_blocks = -(-self.cfg.max_seq_len // block_size)
         self.block_size = block_size
         self.num_device_blocks = num_device_blocks
         self.device = device or jax.devices()[0]
@@ -99,7 +113,10 @@ class JaxExecutor:
     # ---- batches -------------------------------------------------------------------------
     def _arrays(self, chunks: list[ScheduledChunk], tables: dict[str, list[int]]):
         longest = max(c.num_tokens for c in chunks)
-        b = pad_pow2(len(chunks), self.min_batch)
+        if longest > 1 and self.prefill_rows:
+            b = self.prefill_rows
+        else:
+            b = pad_pow2(len(chunks), self.min_batch)
         t = 1 if longest == 1 else pad_pow2(longest, self.min_chunk)
         m = pad_pow2(max(len(tables[c.request_id]) for c in chunks), self.min_table_blocks)
         tokens = np.zeros((b, t), np.int32)
@@ -132,6 +149,45 @@ class JaxExecutor:
         )
         return toks
 
+    def warmup(self, max_num_seqs: int, max_chunk: int) -> int:
+        """Compiles the step for the shapes serving will use; returns how many were run.
+
+        Runs all-padding batches (every row invalid, so nothing is written to the pools):
+        decodes at every padded batch size up to ``max_num_seqs`` and prefills at every
+        padded chunk length up to ``max_chunk`` (one row per call when ``prefill_rows`` is set,
+        else one row), each with every padded table width.
+        """
+        widths = sorted(
+            {pad_pow2(w, self.min_table_blocks) for w in _pow2_range(1, self.max_table_blocks)}
+        )
+        batches = sorted({pad_pow2(b, self.min_batch) for b in _pow2_range(1, max_num_seqs)})
+        chunks = sorted({pad_pow2(t, self.min_chunk) for t in _pow2_range(2, max_chunk)})
+        shapes = [(b, 1, m) for b in batches for m in widths]
+        rows = self.prefill_rows or 1
+        shapes += [(rows, t, m) for t in chunks for m in widths]
+        for b, t, m in shapes:
+            z = np.zeros((b, t), np.int32)
+            args = [
+                z,
+                z,
+                np.zeros((b, t), bool),
+                np.zeros((b, m), np.int32),
+                np.zeros((b,), np.int32),
+                np.zeros((b,), np.float32),
+                np.ones((b,), np.float32),
+                np.zeros((b,), np.int32),
+                np.zeros((b,), np.int32),
+            ]
+            toks, self.k_pool, self.v_pool = paged_step(
+                self.graphdef,
+                self.params,
+                self.k_pool,
+                self.v_pool,
+                *[jnp.asarray(a) for a in args],
+            )
+            toks.block_until_ready()
+        return len(shapes)
+
     # ---- protocol ------------------------------------------------------------------------
     def execute(self, scheduler_output: SchedulerOutput) -> ExecutorOutput:
         """Runs one step; see the module docstring for the order of operations."""
@@ -142,7 +198,9 @@ class JaxExecutor:
                 raise RuntimeError("restore requested but the executor has no host tier")
             self.k_pool, self.v_pool = self.host.restore(self.k_pool, self.v_pool, so.restores)
         pending = []
-        for group in (so.prefills, so.decodes):
+        rows = self.prefill_rows or max(1, len(so.prefills))
+        groups = [so.prefills[i : i + rows] for i in range(0, len(so.prefills), rows)]
+        for group in [*groups, so.decodes]:
             if group:
                 pending.append((group, self._dispatch(group, so.block_tables)))
         completed = self.host.complete() if self.host is not None else []

@@ -58,17 +58,19 @@ def random_prompts(rng, n, lo=2, hi=30):
     return [[rng.randrange(3, 259) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def test_paged_attention_matches_contiguous_context():
+@pytest.mark.parametrize("chunk_tokens", [4, 8, 128])
+def test_paged_attention_matches_contiguous_context(chunk_tokens):
     rng = np.random.default_rng(0)
-    b, t, h, kv, d, bs, nb = 3, 4, 4, 2, 8, 4, 16
+    b, t, h, kv, d, bs, nb, m = 3, 4, 4, 2, 8, 4, 32, 5
     k_pool = jnp.asarray(rng.normal(size=(nb, bs, kv, d)), jnp.float32)
     v_pool = jnp.asarray(rng.normal(size=(nb, bs, kv, d)), jnp.float32)
-    tables = jnp.asarray(rng.permutation(nb)[: b * 3].reshape(b, 3))
+    tables = jnp.asarray(rng.permutation(nb)[: b * m].reshape(b, m))
     q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
+    # Row 0 stops in the first page: later pages (garbage) must not leak in.
     pos = jnp.asarray([[0, 1, 2, 3], [5, 6, 7, 8], [8, 9, 10, 11]])
-    got = paged_attention(q, k_pool, v_pool, tables, pos)
-    k_ctx = jnp.concatenate([k_pool[tables[:, j]] for j in range(3)], axis=1)
-    v_ctx = jnp.concatenate([v_pool[tables[:, j]] for j in range(3)], axis=1)
+    got = paged_attention(q, k_pool, v_pool, tables, pos, chunk_tokens=chunk_tokens)
+    k_ctx = jnp.concatenate([k_pool[tables[:, j]] for j in range(m)], axis=1)
+    v_ctx = jnp.concatenate([v_pool[tables[:, j]] for j in range(m)], axis=1)
     want = context_attention(q, k_ctx, v_ctx, pos)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     # Direct softmax for one query: position 5 of row 1 sees context 0..5.

@@ -1,0 +1,366 @@
+"""Load generation: offline trace replay on the Engine, HTTP load against a server, step timings.
+
+* `replay_trace`: feeds a trace to an `Engine` in real time (no HTTP) and returns one
+  `RequestRecord` per request (engine timestamps).
+* `http_bench`: replays a trace against a running server's ``/v1/completions`` with streaming,
+  timing each streamed token on the client (what vLLM's ``benchmark_serving`` measures).
+* `decode_step_benchmark` / `offload_overlap_benchmark`: step-time comparisons for BENCHMARKS.md
+  (paged against dense decode; decode with a 10%-of-pages offload in flight against none).
+
+Prompts are random token ids of the trace's length; outputs are forced to the trace's length
+(``ignore_eos``), as benchmark harnesses do with prompt-less traces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from serve_jax.metrics import RequestRecord, record_from
+from serve_jax.traces import TraceRequest
+
+__all__ = [
+    "synthetic_prompt",
+    "replay_trace",
+    "http_bench",
+    "decode_step_benchmark",
+    "offload_overlap_benchmark",
+]
+
+
+def synthetic_prompt(n: int, seed: int, low: int = 3, high: int = 259) -> list[int]:
+    """``n`` random token ids in [low, high) (byte-tokenizer ids by default)."""
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in rng.integers(low, high, size=n)]
+
+
+def replay_trace(
+    engine, trace: list[TraceRequest], seed: int = 0, progress: Callable | None = None
+) -> tuple[list[RequestRecord], float]:
+    """Runs ``trace`` through ``engine`` in real time; returns records and the run's duration.
+
+    Each request is added once the clock passes its arrival time, stamped with that arrival
+    time, so queueing behind a busy step counts in its TTFT.
+    """
+    from serve_jax.sampling import SamplingParams
+
+    clock = engine.clock
+    t0 = clock()
+    pending = sorted(enumerate(trace), key=lambda x: x[1].arrival_s)
+    records: dict[str, RequestRecord] = {}
+    next_i = 0
+    while next_i < len(pending) or engine.has_work():
+        now = clock()
+        while next_i < len(pending) and t0 + pending[next_i][1].arrival_s <= now:
+            idx, r = pending[next_i]
+            params = SamplingParams(max_tokens=r.output_tokens, ignore_eos=True, seed=idx)
+            engine.add_request(
+                synthetic_prompt(r.prompt_tokens, seed + idx),
+                params,
+                request_id=f"trace-{idx}",
+                arrival_time=t0 + r.arrival_s,
+            )
+            next_i += 1
+        if not engine.has_work():
+            if next_i < len(pending):
+                time.sleep(max(0.0, t0 + pending[next_i][1].arrival_s - clock()))
+            continue
+        for out in engine.step():
+            if out.finished:
+                records[out.request_id] = record_from(out.metrics)
+                if progress:
+                    progress(len(records))
+    return list(records.values()), clock() - t0
+
+
+async def _one_http_request(
+    client, url: str, model: str, prompt: list[int], max_tokens: int, arrival: float
+) -> RequestRecord:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    times: list[float] = []
+    preemptions = 0
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise RuntimeError(f"HTTP {resp.status_code}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                choice = event["choices"][0]
+                n_new = len(choice.get("token_ids") or [])
+                now = time.perf_counter()
+                times.extend([now] * max(n_new, 1 if choice.get("text") else 0))
+                usage = event.get("usage") or {}
+                preemptions = usage.get("num_preemptions", preemptions)
+        ok = bool(times)
+    except Exception:
+        ok = False
+    return RequestRecord(
+        arrival_time=arrival,
+        first_token_time=times[0] if times else None,
+        token_times=tuple(times),
+        finish_time=times[-1] if times else None,
+        num_prompt_tokens=len(prompt),
+        num_output_tokens=len(times),
+        num_preemptions=preemptions,
+        success=ok,
+    )
+
+
+async def _http_bench(url, trace, model, seed, timeout_s):
+    import httpx
+
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        t0 = time.perf_counter()
+        tasks = []
+        for idx, r in enumerate(trace):
+            delay = t0 + r.arrival_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            prompt = synthetic_prompt(r.prompt_tokens, seed + idx)
+            tasks.append(
+                asyncio.create_task(
+                    _one_http_request(client, url, model, prompt, r.output_tokens, t0 + r.arrival_s)
+                )
+            )
+        records = await asyncio.gather(*tasks)
+        return list(records), time.perf_counter() - t0
+
+
+def http_bench(
+    url: str,
+    trace: list[TraceRequest],
+    model: str = "serve-jax",
+    seed: int = 0,
+    timeout_s: float = 600.0,
+) -> tuple[list[RequestRecord], float]:
+    """Replays ``trace`` against ``url`` (streaming completions); returns records and duration."""
+    return asyncio.run(_http_bench(url.rstrip("/"), trace, model, seed, timeout_s))
+
+
+# ---- step-time benchmarks -----------------------------------------------------------------
+
+
+def _time_loop(fn, steps: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def decode_step_benchmark(
+    preset: str = "small",
+    batch: int = 16,
+    context: int = 256,
+    block_size: int = 16,
+    steps: int = 20,
+    seed: int = 0,
+) -> dict:
+    """Median decode step time, paged (engine kernel) against a dense cache, same model/batch.
+
+    Both steps embed one token per sequence, run the whole model, write K/V and sample a
+    token on device; the paged one reads the context through shuffled block tables.
+    """
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from serve_jax.executor import paged_step
+    from serve_jax.kv_cache import DenseKVView, make_kv_pools
+    from serve_jax.model import count_params, get_model_config, init_model
+    from serve_jax.sampling import sample_tokens
+
+    cfg = get_model_config(preset, max_seq_len=context + steps + 8)
+    model = init_model(cfg, seed)
+    graphdef, params = nnx.split(model)
+    max_len = context + steps + 4
+    blocks_per_seq = -(-max_len // block_size)
+    num_blocks = batch * blocks_per_seq
+    rng = np.random.default_rng(seed)
+    tables = jnp.asarray(rng.permutation(num_blocks).reshape(batch, blocks_per_seq), jnp.int32)
+    k_pool, v_pool = make_kv_pools(cfg, num_blocks, block_size)
+    k_dense, v_dense = DenseKVView.zeros(cfg, batch, blocks_per_seq * block_size)
+    temp = jnp.zeros((batch,), jnp.float32)
+    top_p = jnp.ones((batch,), jnp.float32)
+    seeds = jnp.zeros((batch,), jnp.int32)
+    valid = jnp.ones((batch, 1), bool)
+    last = jnp.zeros((batch,), jnp.int32)
+
+    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
+    def dense_decode(graphdef, params, k, v, tokens, positions, ctr):
+        m = nnx.merge(graphdef, params)
+        view = DenseKVView(k, v, positions, valid)
+        h = m.hidden(tokens, positions, view)
+        toks = sample_tokens(m.logits(h[:, 0]), temp, top_p, seeds, ctr)
+        return toks, view.k, view.v
+
+    state = {"pos": context, "tok": jnp.full((batch, 1), 7, jnp.int32)}
+    pools = {"paged": (k_pool, v_pool), "dense": (k_dense, v_dense)}
+
+    def paged():
+        pos = jnp.full((batch, 1), state["pos"], jnp.int32)
+        ctr = jnp.full((batch,), state["pos"], jnp.int32)
+        k, v = pools["paged"]
+        toks, k, v = paged_step(
+            graphdef,
+            params,
+            k,
+            v,
+            state["tok"],
+            pos,
+            valid,
+            tables,
+            last,
+            temp,
+            top_p,
+            seeds,
+            ctr,
+        )
+        pools["paged"] = (k, v)
+        np.asarray(toks)
+
+    def dense():
+        pos = jnp.full((batch, 1), state["pos"], jnp.int32)
+        ctr = jnp.full((batch,), state["pos"], jnp.int32)
+        k, v = pools["dense"]
+        toks, k, v = dense_decode(graphdef, params, k, v, state["tok"], pos, ctr)
+        pools["dense"] = (k, v)
+        np.asarray(toks)
+
+    # Interleave the two so machine noise hits both alike.
+    t_paged, t_dense = [], []
+    paged(), dense(), paged(), dense()
+    for _ in range(steps):
+        t_paged += _time_loop(paged, 1, warmup=0)
+        t_dense += _time_loop(dense, 1, warmup=0)
+    p, d = float(np.median(t_paged)), float(np.median(t_dense))
+    return {
+        "preset": preset,
+        "params": count_params(model),
+        "batch": batch,
+        "context": context,
+        "block_size": block_size,
+        "steps": steps,
+        "paged_step_ms": p * 1e3,
+        "dense_step_ms": d * 1e3,
+        "paged_over_dense": p / d,
+        "paged_decode_tok_s": batch / p,
+        "dense_decode_tok_s": batch / d,
+        "backend": jax.default_backend(),
+    }
+
+
+def offload_overlap_benchmark(
+    preset: str = "small",
+    batch: int = 16,
+    context: int = 256,
+    block_size: int = 16,
+    offload_fraction: float = 0.1,
+    steps: int = 20,
+    seed: int = 0,
+) -> dict:
+    """Decode step time while ``offload_fraction`` of the pages are being offloaded, vs none.
+
+    Each offload step dispatches the decode, then issues the offload (gather + asynchronous
+    device_put to pinned_host) of pages the running batch does not use, exactly as the
+    executor does, and waits for the previous step's copy after dispatching the next step.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from serve_jax.executor import paged_step
+    from serve_jax.kv_cache import make_kv_pools
+    from serve_jax.model import get_model_config, init_model
+    from serve_jax.offload import HostKVTier
+
+    cfg = get_model_config(preset, max_seq_len=context + steps + 8)
+    model = init_model(cfg, seed)
+    graphdef, params = nnx.split(model)
+    max_len = context + 2 * steps + 8
+    blocks_per_seq = -(-max_len // block_size)
+    used = batch * blocks_per_seq
+    n_off = max(1, round(offload_fraction * used))
+    num_blocks = used + n_off
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(num_blocks)
+    tables = jnp.asarray(perm[:used].reshape(batch, blocks_per_seq), jnp.int32)
+    victim_pages = [int(x) for x in perm[used:]]
+    k_pool, v_pool = make_kv_pools(cfg, num_blocks, block_size)
+    host = HostKVTier(jax.devices()[0])
+    temp = jnp.zeros((batch,), jnp.float32)
+    top_p = jnp.ones((batch,), jnp.float32)
+    seeds = jnp.zeros((batch,), jnp.int32)
+    valid = jnp.ones((batch, 1), bool)
+    last = jnp.zeros((batch,), jnp.int32)
+    state = {"pos": context, "k": k_pool, "v": v_pool}
+    tok = jnp.full((batch, 1), 7, jnp.int32)
+
+    def step(offload: bool):
+        pos = jnp.full((batch, 1), state["pos"], jnp.int32)
+        ctr = jnp.full((batch,), state["pos"], jnp.int32)
+        toks, state["k"], state["v"] = paged_step(
+            graphdef,
+            params,
+            state["k"],
+            state["v"],
+            tok,
+            pos,
+            valid,
+            tables,
+            last,
+            temp,
+            top_p,
+            seeds,
+            ctr,
+        )
+        host.complete()
+        if offload:
+            host.offload(state["k"], state["v"], [(d, i) for i, d in enumerate(victim_pages)])
+        np.asarray(toks)
+
+    step(False), step(True), step(False), step(True)
+    host.complete()
+    t_none, t_off = [], []
+    for _ in range(steps):
+        t_none += _time_loop(lambda: step(False), 1, warmup=0)
+        t_off += _time_loop(lambda: step(True), 1, warmup=0)
+    host.complete()
+    a, b = float(np.median(t_none)), float(np.median(t_off))
+    page_bytes = block_size * cfg.kv_bytes_per_token()
+    return {
+        "preset": preset,
+        "batch": batch,
+        "context": context,
+        "pages_in_use": used,
+        "pages_offloaded_per_step": n_off,
+        "offload_bytes_per_step": n_off * page_bytes,
+        "host_memory_kind": host.memory_kind,
+        "no_offload_step_ms": a * 1e3,
+        "offload_step_ms": b * 1e3,
+        "offload_over_none": b / a,
+        "backend": jax.default_backend(),
+    }
