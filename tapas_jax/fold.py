@@ -83,14 +83,13 @@ def _param_key(v) -> str:
 
 
 def _params_key(params: dict) -> tuple:
-    items = tuple(sorted(params.items(), key=lambda kv: kv[0]))
+    # A primitive binds its params in a fixed order, so no sorting is needed.
+    items = tuple(params.items())
     try:
         hash(items)
-        if not any(isinstance(v, np.ndarray) for _, v in items):
-            return items
-    except TypeError:
-        pass
-    return tuple((k, _param_key(v)) for k, v in items)
+        return items
+    except TypeError:  # an array-valued param (constants): describe it by shape and dtype
+        return tuple((k, _param_key(v)) for k, v in items)
 
 
 def _literal_key(lit) -> tuple:

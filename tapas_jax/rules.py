@@ -27,8 +27,6 @@ import itertools
 import math
 from collections.abc import Sequence
 
-import numpy as np
-
 from .graph import Eqn, Graph
 
 Spec = tuple[str | None, ...]
@@ -724,23 +722,29 @@ def batch_dims(
     gradient), convolutions, gathers and scatters. With a `folding`, copies after the
     representative take their labels from it instead of being propagated again.
     """
-    copied = None
+    skip_to: dict[int, tuple[int, list[int], list[int]]] = {}
     if folding is not None and folding.blocks:
-        copied = np.zeros(len(graph.eqns), dtype=bool)
         for b in folding.blocks:
-            copied[b.start + 2 * b.period : b.start + b.copies * b.period] = True
-        rep_var = folding.rep_var.tolist()
+            lo, hi = b.start + 2 * b.period, b.start + b.copies * b.period
+            if hi > lo:
+                outs = [o for e in graph.eqns[lo:hi] for o in e.outvars]
+                skip_to[lo] = (hi, outs, folding.rep_var[outs].tolist())
     bd: list[int | None] = [None] * graph.num_vars
     for v, batched in zip(graph.inputs, inputs_batched):
         if batched and graph.shapes[v] and graph.shapes[v][0] % size == 0:
             bd[v] = 0
     one = MeshAxes({"_b": size})
-    for i, e in enumerate(graph.eqns):
-        if not e.outvars:
+    i, n = 0, len(graph.eqns)
+    while i < n:
+        if i in skip_to:  # copies after the representative take its labels
+            hi, outs, reps = skip_to[i]
+            for o, r in zip(outs, reps):
+                bd[o] = bd[r]
+            i = hi
             continue
-        if copied is not None and copied[i]:
-            for o in e.outvars:
-                bd[o] = bd[rep_var[o]]
+        e = graph.eqns[i]
+        i += 1
+        if not e.outvars:
             continue
         outs = e.outvars
         p = e.prim
