@@ -217,16 +217,22 @@ def _nested(flat: Mapping[str, Any]) -> dict:
 
 
 def lower(
-    fn, params, *inputs, mesh, hardware="tpu-v5e", fold=True, optimizer_state_factor=0.0
+    fn,
+    params,
+    *inputs,
+    mesh,
+    hardware="tpu-v5e",
+    fold=True,
+    optimizer_state_factor=0.0,
+    batch_axis: str | None = "data",
 ) -> tuple[Lowered, float]:
     """Traces, folds and lowers; returns the lowered problem and the seconds spent folding."""
     graph = build_graph(fn, params, *inputs)
     t0 = time.perf_counter()
     folding = fold_repeated_blocks(graph) if fold else no_folding(graph)
     hw = get_profile(hardware)
-    lowered = build_problem(
-        graph, {k: int(v) for k, v in dict(mesh.shape).items()}, hw, folding, optimizer_state_factor
-    )
+    axes = {k: int(v) for k, v in dict(mesh.shape).items()}
+    lowered = build_problem(graph, axes, hw, folding, optimizer_state_factor, batch_axis=batch_axis)
     return lowered, time.perf_counter() - t0
 
 
@@ -283,6 +289,7 @@ def plan(
     optimizer_state_factor: float = 0.0,
     fold: bool = True,
     time_limit: float = 60.0,
+    batch_axis: str | None = "data",
 ) -> Plan:
     """Plans the sharding of ``fn(params, *inputs)`` on `mesh`.
 
@@ -308,6 +315,8 @@ def plan(
         (2 for Adam; 0 for plain SGD or a forward pass).
       fold: fold repeated layers (the fast search); False solves the unfolded graph.
       time_limit: time limit of the integer-program fallback, seconds.
+      batch_axis: the mesh axis that splits dimension 0 of every input after the params (and
+        whatever carries it); None leaves every mesh axis free for every dimension.
 
     Returns:
       The `Plan`.
@@ -325,6 +334,7 @@ def plan(
         hardware=hw,
         fold=fold,
         optimizer_state_factor=optimizer_state_factor,
+        batch_axis=batch_axis,
     )
     result = solve(lowered.problem, limit, time_limit)
     search_seconds = lower_seconds + result.seconds

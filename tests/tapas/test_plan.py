@@ -127,3 +127,31 @@ def test_unknown_primitive_is_replicated_with_warning(mesh_2x4):
         p = plan(fn, {"w": w}, x, mesh=mesh_2x4)
     assert any("top_k" in str(c.message) for c in caught)
     assert np.isfinite(p.predicted["step_seconds"])
+
+
+def test_generic_nnx_forward_plans_and_runs(mesh_2x4):
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.fc1 = nnx.Linear(64, 256, rngs=rngs)
+            self.fc2 = nnx.Linear(256, 64, rngs=rngs)
+
+        def __call__(self, x):
+            return self.fc2(jax.nn.relu(self.fc1(x)))
+
+    model = MLP(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def forward(params, x):
+        return nnx.merge(graphdef, params, rest)(x)
+
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+    p = plan(forward, params, x, mesh=mesh_2x4, hardware="tpu-v5e")
+    sharded_params = jax.device_put(params, p.in_shardings()[0])
+    got = p.jit(forward)(sharded_params, jax.device_put(x, p.in_shardings()[1]))
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(forward(params, x)), rtol=1e-5, atol=1e-6
+    )
+    nnx.update(model, sharded_params)
+    assert model.fc1.kernel[...].sharding.spec == p.param_specs["fc1"]["kernel"]
