@@ -636,6 +636,7 @@ def replay_on_engine(
     pending = sorted(workload.requests, key=lambda r: r.arrival_time)
     reqs: list[Request] = []
     steps: list[float] = []
+    starts: list[float] = []
     i = 0
     while i < len(pending) or engine.has_unfinished():
         while i < len(pending) and pending[i].arrival_time <= clock.t:
@@ -649,6 +650,7 @@ def replay_on_engine(
             clock.t = max(clock.t, pending[i].arrival_time)
             continue
         before = engine.num_steps
+        starts.append(clock.t)
         t0 = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t0
@@ -659,6 +661,15 @@ def replay_on_engine(
         if len(steps) > max_steps:
             raise RuntimeError(f"engine replay passed max_steps={max_steps}")
     events = sorted((t, r.request_id) for r in reqs for t in r.preemption_times)
+    # The engine saw one clock value per step (its start); a token sampled in a step exists at
+    # the step's end, so token and finish times move there for latency metrics.
+    end_of = {t: t + dt for t, dt in zip(starts, steps)}
+    for r in reqs:
+        r.token_times = [end_of.get(x, x) for x in r.token_times]
+        if r.first_token_time is not None:
+            r.first_token_time = end_of.get(r.first_token_time, r.first_token_time)
+        if r.finish_time is not None:
+            r.finish_time = end_of.get(r.finish_time, r.finish_time)
     return EngineReplay(steps, events, reqs, engine.scheduler.num_offload_preemptions)
 
 

@@ -239,7 +239,7 @@ def agentic_workload(
     output_median: float = 300.0,
     output_sigma: float = 0.8,
     think_time_median: float = 2.0,
-    max_context: int = 30000,
+    max_context: int = 12000,
     max_output: int = 4096,
     seed: int = 0,
 ) -> Workload:
