@@ -254,7 +254,9 @@ def build_problem(
     shapes, dtypes = graph.shapes, graph.dtypes
     const = constant_vars(graph)
     if batch_axis is not None and batch_axis in axes.sizes:
-        bd = batch_dims(graph, [a != param_arg for a in graph.input_args], axes.sizes[batch_axis])
+        bd = batch_dims(
+            graph, [a != param_arg for a in graph.input_args], axes.sizes[batch_axis], fold
+        )
     else:
         bd, batch_axis = None, None
 
