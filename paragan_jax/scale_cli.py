@@ -12,6 +12,9 @@ the four runs are interleaved.
 
 scaling: predicted step time and scaling efficiency of the sync and async schemes at several chip
 counts (`paragan_jax.scaling`), optionally checked against measured 1/2/4-process CPU runs.
+
+train-multihost (``python -m paragan_jax.scale_cli train-multihost ...``, used by
+``scripts/tpu_run.sh``): `jax.distributed.initialize()` on a TPU VM worker, then ``train``.
 """
 
 from __future__ import annotations
@@ -317,6 +320,26 @@ def _plot_trace(trace: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def train_multihost(argv: list[str]) -> int:
+    """``python -m paragan_jax.scale_cli train-multihost <train args>`` on every TPU VM worker.
+
+    Joins the slice's JAX runtime (`jax.distributed.initialize()` with no arguments: on a TPU VM
+    the runtime supplies coordinator, process count and index), then runs the ordinary
+    ``paragan_jax train`` command with the remaining arguments. `scripts/tpu_run.sh` calls this.
+    """
+    import jax
+
+    jax.distributed.initialize()
+    print(
+        f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} local "
+        f"of {jax.device_count()} devices ({jax.devices()[0].device_kind})",
+        flush=True,
+    )
+    from .cli import main as cli_main
+
+    return int(cli_main(["train", *argv[1:]]) or 0)
+
+
 def main(argv: list[str]) -> int:
     """Entry point; ``argv[0]`` is the command name."""
     if not argv:
@@ -328,5 +351,11 @@ def main(argv: list[str]) -> int:
         from .scaling import scaling_command
 
         return scaling_command(argv)
+    if argv[0] == "train-multihost":
+        return train_multihost(argv)
     print(f"paragan_jax.scale_cli: unknown command {argv[0]!r}", file=sys.stderr)
     return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
