@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from serve_jax.preemption import POLICY_NAMES
+from serve_jax.preemption import POLICY_NAMES, get_policy
 from serve_jax.simulator import SimConfig, SimulationResult, simulate
 from serve_jax.workloads import make_workload
 
@@ -63,6 +63,12 @@ def build_parser(prog: str = "simulate") -> argparse.ArgumentParser:
         "--vllm-admission",
         action="store_true",
         help="no admission in a step that preempted (vLLM V1's rule); default: the engine's",
+    )
+    p.add_argument(
+        "--gate-quantile",
+        type=float,
+        default=None,
+        help="predictive: quantile of the remaining length its admission gate uses (default 0.7)",
     )
     p.add_argument(
         "--token-scale", type=float, default=1.0, help="multiply prompt and output lengths"
@@ -211,7 +217,10 @@ def main(argv: list[str]) -> int:
         return _engine_mode(args, workload, policies)
     results = []
     for name in policies:
-        res = simulate(workload, name, config)
+        policy = name
+        if args.gate_quantile is not None and name.startswith("predictive"):
+            policy = get_policy(name, gate_quantile=args.gate_quantile)
+        res = simulate(workload, policy, config)
         results.append(res)
     _print_table(results)
     ratios = _ratios(results)
