@@ -120,16 +120,31 @@ class DSide:
     step: Any  # (d_state, batch, fakes, fake_labels) -> (d_state, metrics)
 
 
-_G_KEYS = ("step", "rng", "g_params", "g_stats", "g_opt", "ema_params", "d_snap_params",
-           "d_snap_stats")
+_G_KEYS = (
+    "step",
+    "rng",
+    "g_params",
+    "g_stats",
+    "g_opt",
+    "ema_params",
+    "d_snap_params",
+    "d_snap_stats",
+)
 _D_KEYS = ("d_params", "d_stats", "d_opt")
 
 
 def _select(full, keys):
     src = {
-        "step": full.step, "rng": full.rng, "g_params": full.g_params, "g_stats": full.g_stats,
-        "g_opt": full.g_opt, "ema_params": full.ema_params, "d_params": full.d_params,
-        "d_stats": full.d_stats, "d_opt": full.d_opt, "d_snap_params": full.d_params,
+        "step": full.step,
+        "rng": full.rng,
+        "g_params": full.g_params,
+        "g_stats": full.g_stats,
+        "g_opt": full.g_opt,
+        "ema_params": full.ema_params,
+        "d_params": full.d_params,
+        "d_stats": full.d_stats,
+        "d_opt": full.d_opt,
+        "d_snap_params": full.d_params,
         "d_snap_stats": full.d_stats,
     }
     return {k: src[k] for k in keys}
@@ -169,29 +184,48 @@ def build_g_side(config: TrainConfig, g_mesh: Mesh) -> tuple[dict[str, Any], GSi
 
     def fakes_at(s, step):
         key = jax.random.fold_in(s["rng"], step)
-        outs = [fns.fakes_for_d(s["g_params"], s["g_stats"], jax.random.fold_in(key, i), b)
-                for i in range(n_disc)]
+        outs = [
+            fns.fakes_for_d(s["g_params"], s["g_stats"], jax.random.fold_in(key, i), b)
+            for i in range(n_disc)
+        ]
         return jnp.stack([o[0] for o in outs]), jnp.stack([o[1] for o in outs])
 
     def g_step(s):
         t = s["step"]
         key = jax.random.fold_in(s["rng"], t)
         (gp, gs, go), metrics = fns.g_update(
-            s["g_params"], s["g_stats"], s["g_opt"], s["d_snap_params"], s["d_snap_stats"],
-            jax.random.fold_in(key, n_disc), b,
+            s["g_params"],
+            s["g_stats"],
+            s["g_opt"],
+            s["d_snap_params"],
+            s["d_snap_stats"],
+            jax.random.fold_in(key, n_disc),
+            b,
         )
-        new = dict(s, step=t + 1, g_params=gp, g_stats=gs, g_opt=go,
-                   ema_params=fns.ema_update(s["ema_params"], gp, t))
+        new = dict(
+            s,
+            step=t + 1,
+            g_params=gp,
+            g_stats=gs,
+            g_opt=go,
+            ema_params=fns.ema_update(s["ema_params"], gp, t),
+        )
         fakes, labels = fakes_at(new, t + 1)
         return new, fakes, labels, metrics
 
     side = GSide(
-        fns, g_mesh, g_sh,
-        jax.jit(g_step, in_shardings=(g_sh,),
-                out_shardings=(g_sh, g_batch, g_batch, NamedSharding(g_mesh, P())),
-                donate_argnums=(0,)),
-        jax.jit(lambda s: fakes_at(s, s["step"]), in_shardings=(g_sh,),
-                out_shardings=(g_batch, g_batch)),
+        fns,
+        g_mesh,
+        g_sh,
+        jax.jit(
+            g_step,
+            in_shardings=(g_sh,),
+            out_shardings=(g_sh, g_batch, g_batch, NamedSharding(g_mesh, P())),
+            donate_argnums=(0,),
+        ),
+        jax.jit(
+            lambda s: fakes_at(s, s["step"]), in_shardings=(g_sh,), out_shardings=(g_batch, g_batch)
+        ),
     )
     return g_state, side
 
@@ -215,9 +249,16 @@ def build_d_side(config: TrainConfig, d_mesh: Mesh) -> tuple[dict[str, Any], DSi
         return {"d_params": dp, "d_stats": ds, "d_opt": do}, metrics
 
     side = DSide(
-        fns, d_mesh, d_sh, d_batch,
-        jax.jit(d_step, in_shardings=(d_sh, d_batch, d_batch, d_batch),
-                out_shardings=(d_sh, NamedSharding(d_mesh, P())), donate_argnums=(0,)),
+        fns,
+        d_mesh,
+        d_sh,
+        d_batch,
+        jax.jit(
+            d_step,
+            in_shardings=(d_sh, d_batch, d_batch, d_batch),
+            out_shardings=(d_sh, NamedSharding(d_mesh, P())),
+            donate_argnums=(0,),
+        ),
     )
     return d_state, side
 
@@ -243,8 +284,7 @@ class AsyncRunner:
         self.config = config
         g_size, d_size = split_devices(config, mesh)
         self.g_mesh, self.d_mesh = split_mesh(mesh, [g_size, d_size], axis="data")
-        self.g_state, self.d_state, self.g, self.d = build_sides(config, self.g_mesh,
-                                                                 self.d_mesh)
+        self.g_state, self.d_state, self.g, self.d = build_sides(config, self.g_mesh, self.d_mesh)
         self.fns = self.g.fns
         self.k = config.async_.staleness
         self.lag = 0 if self.k == 0 else config.async_.buffer_size - 1
@@ -265,16 +305,17 @@ class AsyncRunner:
         img = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=self.d.batch_sharding)
         lab = jax.ShapeDtypeStruct((n, b), jnp.int32, sharding=self.d.batch_sharding)
         self.g.step = compile_step(self.g.step, self.g_state, name="async_g_step")
-        self.d.step = compile_step(self.d.step, self.d_state, {"image": img, "label": lab},
-                                   img, lab, name="async_d_step")
+        self.d.step = compile_step(
+            self.d.step, self.d_state, {"image": img, "label": lab}, img, lab, name="async_d_step"
+        )
         self._compiled = True
 
     def _refresh_snapshot(self) -> None:
         sh = self.g.shardings
-        self.g_state["d_snap_params"] = jax.device_put(self.d_state["d_params"],
-                                                       sh["d_snap_params"])
-        self.g_state["d_snap_stats"] = jax.device_put(self.d_state["d_stats"],
-                                                      sh["d_snap_stats"])
+        self.g_state["d_snap_params"] = jax.device_put(
+            self.d_state["d_params"], sh["d_snap_params"]
+        )
+        self.g_state["d_snap_stats"] = jax.device_put(self.d_state["d_stats"], sh["d_snap_stats"])
 
     def _to_d(self, fakes):
         return tuple(jax.device_put(x, self.d.batch_sharding) for x in fakes)
@@ -288,14 +329,15 @@ class AsyncRunner:
         fakes, labels = self.buffer[0]
         if len(self.buffer) > self.lag:
             self.buffer.popleft()
-        if self.k and self.step % self.k == 0:
+        t = self.step
+        if self.k and t % self.k == 0:
             self._refresh_snapshot()  # from D as it is before this iteration's update
         self.d_state, d_metrics = self.d.step(self.d_state, batch, fakes, labels)
         if self.k == 0:
             self._refresh_snapshot()  # synchronous: G sees the D it just updated
         self.g_state, new_fakes, new_labels, g_metrics = self.g.step(self.g_state)
         self.buffer.append(self._to_d((new_fakes, new_labels)))
-        self._host_step = self.step + 1
+        self._host_step = t + 1
         return {**d_metrics, **g_metrics}
 
     def checkpoint_tree(self) -> dict[str, Any]:

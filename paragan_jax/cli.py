@@ -26,8 +26,10 @@ log = logging.getLogger("paragan_jax")
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     logging.getLogger("paragan_jax").setLevel(logging.INFO)
     try:
         from absl import logging as absl_logging
@@ -58,8 +60,9 @@ def _load(args, overrides):
 
 
 def _train(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m paragan_jax train",
-                                description="Train a GAN from a preset.")
+    p = argparse.ArgumentParser(
+        prog="python -m paragan_jax train", description="Train a GAN from a preset."
+    )
     p.add_argument("--config", default="digits_cpu", help="preset name or YAML path")
     p.add_argument("--scheme", choices=["sync", "async"], help="override the preset's scheme")
     p.add_argument("--steps", type=int, help="total generator steps")
@@ -78,8 +81,10 @@ def _train(argv: list[str]) -> int:
     except _user_errors() as e:
         print(f"paragan_jax train: error: {e}", file=sys.stderr)
         return 2
-    print(f"trained {cfg.name} ({cfg.scheme}) to step {summary['step']}: "
-          f"{summary['steps_per_sec']:.1f} steps/s, compile {summary['compile_s']:.1f} s")
+    print(
+        f"trained {cfg.name} ({cfg.scheme}) to step {summary['step']}: "
+        f"{summary['steps_per_sec']:.1f} steps/s, compile {summary['compile_s']:.1f} s"
+    )
     print("metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in summary["metrics"].items()))
     print(f"checkpoints: {Path(args.workdir) / 'checkpoints'}")
     print(f"sample grid: {summary['sample_grid']}")
@@ -100,8 +105,9 @@ def _trainer_from_workdir(workdir: str, overrides: list[str]):
 
 
 def _eval(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m paragan_jax eval",
-                                description="Offline metrics of the latest checkpoint.")
+    p = argparse.ArgumentParser(
+        prog="python -m paragan_jax eval", description="Offline metrics of the latest checkpoint."
+    )
     p.add_argument("--workdir", required=True)
     p.add_argument("--json", help="write the metrics here")
     p.add_argument("--num-samples", type=int)
@@ -122,8 +128,10 @@ def _eval(argv: list[str]) -> int:
 
 
 def _sample(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m paragan_jax sample",
-                                description="Sample grid PNG from the latest checkpoint.")
+    p = argparse.ArgumentParser(
+        prog="python -m paragan_jax sample",
+        description="Sample grid PNG from the latest checkpoint.",
+    )
     p.add_argument("--workdir", required=True)
     p.add_argument("--out", default="samples.png")
     p.add_argument("--seed", type=int, default=1234)
@@ -146,8 +154,14 @@ def _bench_variant(cfg, seconds: float, workdir: Path, name: str) -> dict:
     summary = trainer.train(time_budget_s=seconds)
     grid = trainer.sample_grid(str(workdir / f"bench_{name}.png"))
     metrics = trainer.evaluate()
-    return {"variant": name, "steps": summary["step"], "wall_s": summary["wall_s"],
-            "steps_per_sec": summary["steps_per_sec"], "sample_grid": grid, **metrics}
+    return {
+        "variant": name,
+        "steps": summary["step"],
+        "wall_s": summary["wall_s"],
+        "steps_per_sec": summary["steps_per_sec"],
+        "sample_grid": grid,
+        **metrics,
+    }
 
 
 def _bench(argv: list[str]) -> int:
@@ -159,8 +173,11 @@ def _bench(argv: list[str]) -> int:
     p.add_argument("--seconds", type=float, default=20.0, help="training time per variant")
     p.add_argument("--staleness", default="1,2,4", help="k values of the async variants")
     p.add_argument("--devices", type=int, default=8, help="simulated devices (in-process mode)")
-    p.add_argument("--processes", action="store_true",
-                   help="two-process mode: sync on 1 device vs async with G and D in 2 processes")
+    p.add_argument(
+        "--processes",
+        action="store_true",
+        help="two-process mode: sync on 1 device vs async with G and D in 2 processes",
+    )
     p.add_argument("--workdir", default="runs/bench")
     p.add_argument("--json", default=None, help="default: <workdir>/bench.json")
     args, overrides = p.parse_known_args(argv)
@@ -182,27 +199,38 @@ def _bench(argv: list[str]) -> int:
             for k in ks:
                 over = base + [f"async_.staleness={k}"]
                 load_train_config(args.config, over)  # validate before launching workers
-                res = run_two_process_async(args.config, over, str(workdir / f"async_k{k}_2proc"),
-                                            seconds=args.seconds)
+                res = run_two_process_async(
+                    args.config, over, str(workdir / f"async_k{k}_2proc"), seconds=args.seconds
+                )
                 from .data import load_dataset
 
                 ds = load_dataset(cfg)
                 samples = res.pop("samples")
                 name = f"async_k{k}_2proc"
-                grid = save_sample_png(samples[: cfg.eval.grid_rows**2] if samples.ndim > 2
-                                       else samples, workdir / f"bench_{name}.png",
-                                       rows=cfg.eval.grid_rows,
-                                       real=ds.images[:2000] if ds.is_mixture else None)
-                rows.append({"variant": name, "steps": res["steps"], "wall_s": res["wall_s"],
-                             "steps_per_sec": res["steps_per_sec"], "sample_grid": str(grid),
-                             **evaluate_samples(samples, ds)})
+                grid = save_sample_png(
+                    samples[: cfg.eval.grid_rows**2] if samples.ndim > 2 else samples,
+                    workdir / f"bench_{name}.png",
+                    rows=cfg.eval.grid_rows,
+                    real=ds.images[:2000] if ds.is_mixture else None,
+                )
+                rows.append(
+                    {
+                        "variant": name,
+                        "steps": res["steps"],
+                        "wall_s": res["wall_s"],
+                        "steps_per_sec": res["steps_per_sec"],
+                        "sample_grid": str(grid),
+                        **evaluate_samples(samples, ds),
+                    }
+                )
         else:
             common = base + [f"sharding.num_devices={args.devices}"]
             cfg = load_train_config(args.config, common + ["scheme=sync"])
             rows.append(_bench_variant(cfg, args.seconds, workdir, "sync"))
             for k in ks:
-                cfg = load_train_config(args.config,
-                                        common + ["scheme=async", f"async_.staleness={k}"])
+                cfg = load_train_config(
+                    args.config, common + ["scheme=async", f"async_.staleness={k}"]
+                )
                 rows.append(_bench_variant(cfg, args.seconds, workdir, f"async_k{k}"))
     except _user_errors() as e:
         print(f"paragan_jax bench: error: {e}", file=sys.stderr)
@@ -216,9 +244,13 @@ def _bench(argv: list[str]) -> int:
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols))
-    out = {"config": args.config, "seconds": args.seconds, "overrides": overrides,
-           "mode": "two_process" if args.processes else f"in_process_{args.devices}_devices",
-           "rows": rows}
+    out = {
+        "config": args.config,
+        "seconds": args.seconds,
+        "overrides": overrides,
+        "mode": "two_process" if args.processes else f"in_process_{args.devices}_devices",
+        "rows": rows,
+    }
     path = Path(args.json) if args.json else workdir / "bench.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
     _bench_plot(rows, workdir / "bench.png")

@@ -83,9 +83,22 @@ def launch(
     env["JAX_PLATFORMS"] = "cpu"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", module, "--process-id", str(i), "--num-processes",
-             str(num_processes), "--port", str(port), *worker_args],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                module,
+                "--process-id",
+                str(i),
+                "--num-processes",
+                str(num_processes),
+                "--port",
+                str(port),
+                *worker_args,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for i in range(num_processes)
     ]
@@ -175,8 +188,9 @@ def _async_worker(args: argparse.Namespace, overrides: list[str]) -> int:
             flag = t + 1 >= args.steps or (args.seconds is not None and elapsed >= args.seconds)
             payload = (new_fakes, new_labels, flag)
         else:
-            batch = jax.device_put(stack_batches([next(loader) for _ in range(n_disc)]),
-                                   side.batch_sharding)
+            batch = jax.device_put(
+                stack_batches([next(loader) for _ in range(n_disc)]), side.batch_sharding
+            )
             f = jax.device_put(np.asarray(fakes), side.batch_sharding)
             lab = jax.device_put(np.asarray(labels), side.batch_sharding)
             state, _ = side.step(state, batch, f, lab)
@@ -199,20 +213,37 @@ def _async_worker(args: argparse.Namespace, overrides: list[str]) -> int:
     if is_g:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        samples = sample_images(side.fns, state["ema_params"], state["g_stats"],
-                                jax.random.PRNGKey(1234), cfg.eval.num_samples)
+        samples = sample_images(
+            side.fns,
+            state["ema_params"],
+            state["g_stats"],
+            jax.random.PRNGKey(1234),
+            cfg.eval.num_samples,
+        )
         np.save(out / "samples.npy", samples)
-        (out / "result.json").write_text(json.dumps({
-            "steps": t, "timed_steps": steps_timed, "wall_s": wall,
-            "steps_per_sec": steps_timed / wall if wall > 0 else float("nan"),
-            "staleness": k, "processes": jax.process_count(),
-        }))
+        (out / "result.json").write_text(
+            json.dumps(
+                {
+                    "steps": t,
+                    "timed_steps": steps_timed,
+                    "wall_s": wall,
+                    "steps_per_sec": steps_timed / wall if wall > 0 else float("nan"),
+                    "staleness": k,
+                    "processes": jax.process_count(),
+                }
+            )
+        )
     return 0
 
 
 def run_two_process_async(
-    preset: str, overrides: list[str], out_dir: str, seconds: float | None = None,
-    steps: int = 10**9, devices_per_process: int = 1, timeout_s: float = 600.0,
+    preset: str,
+    overrides: list[str],
+    out_dir: str,
+    seconds: float | None = None,
+    steps: int = 10**9,
+    devices_per_process: int = 1,
+    timeout_s: float = 600.0,
 ) -> dict[str, Any]:
     """Trains the async scheme with G in process 0 and D in process 1; returns its results.
 

@@ -262,9 +262,12 @@ def save_sample_png(
     imgs = np.asarray(samples[:n])
     if len(imgs) < n:
         imgs = np.concatenate([imgs, np.zeros((n - len(imgs),) + imgs.shape[1:], imgs.dtype)])
+    imgs = np.pad(imgs, ((0, 0), (0, 1), (0, 1), (0, 0)), constant_values=0.0)  # grey gaps
     h, w, c = imgs.shape[1:]
     grid = imgs.reshape(rows, rows, h, w, c).transpose(0, 2, 1, 3, 4).reshape(rows * h, rows * w, c)
     grid = np.clip((grid + 1) / 2, 0, 1)
+    scale = max(1, 384 // grid.shape[0])  # small images: nearest-neighbour upscale to view
+    grid = np.kron(grid, np.ones((scale, scale, 1), grid.dtype))
     if c == 1:
         grid = np.repeat(grid, 3, axis=-1)
     plt.imsave(path, grid)

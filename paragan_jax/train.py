@@ -536,9 +536,7 @@ class Trainer:
             "config": config_to_dict(self.config),
         }
 
-    def train(
-        self, steps: int | None = None, time_budget_s: float | None = None
-    ) -> dict[str, Any]:
+    def train(self, steps: int | None = None, time_budget_s: float | None = None) -> dict[str, Any]:
         """Trains up to `steps` G steps in total (default ``config.steps``), resuming if a
         checkpoint exists in the workdir.
 
@@ -576,7 +574,7 @@ class Trainer:
                 if restored is not None:
                     runner.load_checkpoint_tree(restored["state"])
                     position = int(restored["meta"]["data_position"])
-                    resumed = restored.step
+                    resumed = restored["step"]
                     log.info("resumed from step %d (data position %d)", resumed, position)
             from tensorboardX import SummaryWriter
 
@@ -690,7 +688,7 @@ class Trainer:
         if restored is None:
             raise FileNotFoundError(f"no readable checkpoint under {self.workdir!r}/checkpoints")
         self.runner.load_checkpoint_tree(restored["state"])
-        return restored.step
+        return restored["step"]
 
     def evaluate(self, n: int | None = None) -> dict[str, Any]:
         """Offline metrics of the current generator (see `paragan_jax.metrics`)."""

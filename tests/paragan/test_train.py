@@ -1,0 +1,139 @@
+"""Sync and async steps: sharded equals unsharded, async k=0 equals sync, resume, checkpoints."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import RING
+
+from paragan_jax.async_scheme import AsyncRunner
+from paragan_jax.config import load_train_config
+from paragan_jax.data import batch_at, load_dataset
+from paragan_jax.train import SyncRunner, Trainer
+from tapas_jax.config import ConfigError
+from tapas_jax.mesh import make_mesh
+
+
+def _max_diff(a, b):
+    diffs = jax.tree.map(
+        lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))),
+        a,
+        b,
+    )
+    return max(jax.tree.leaves(diffs))
+
+
+def _run(runner, ds, cfg, steps):
+    b, n = cfg.data.batch_size, cfg.n_disc
+    metrics = None
+    for t in range(steps):
+        metrics = runner.run_step([batch_at(ds, b, cfg.data.seed, n * t + i) for i in range(n)])
+    return jax.device_get(metrics)
+
+
+# Adam's first update is about lr * sign(grad): a gradient entry that is ~0 flips sign under a
+# different reduction order and moves a param by up to 2 * lr. A larger Adam epsilon makes the
+# update proportional to the gradient, so params compare at the precision of the sharded math.
+SMOOTH_ADAM = ["optim_g.eps=1e-3", "optim_d.eps=1e-3"]
+
+
+def test_sharded_sync_step_equals_one_device():
+    cfg = load_train_config("tiny", SMOOTH_ADAM)
+    ds = load_dataset(cfg)
+    one = SyncRunner(cfg, make_mesh("data=1", jax.devices()[:1]), ds.images.shape[1:])
+    eight = SyncRunner(cfg, make_mesh("data=8"), ds.images.shape[1:])
+    m1, m8 = _run(one, ds, cfg, 2), _run(eight, ds, cfg, 2)
+    for k in m1:
+        np.testing.assert_allclose(m1[k], m8[k], atol=1e-5, rtol=1e-5)
+    # Batch norm statistics are global over the sharded batch, so G's BN state matches too.
+    assert _max_diff(one.state.g_stats, eight.state.g_stats) < 1e-5
+    assert _max_diff(one.state.g_params, eight.state.g_params) < 1e-5
+    assert _max_diff(one.state.d_params, eight.state.d_params) < 1e-5
+    assert _max_diff(one.state.ema_params, eight.state.ema_params) < 1e-5
+    assert eight.state.g_params["linear"]["kernel"].sharding.mesh.size == 8
+
+
+def test_fsdp_places_params_over_data_axis():
+    cfg = load_train_config("tiny", [*RING, "sharding.params=fsdp", "model.g_width=64"])
+    ds = load_dataset(cfg)
+    runner = SyncRunner(cfg, make_mesh("data=8"), ds.images.shape[1:])
+    kernel = runner.state.g_params["layers"][1]["kernel"]  # 64x64
+    assert "data" in tuple(kernel.sharding.spec)
+    assert kernel.addressable_shards[0].data.size == kernel.size // 8
+    assert np.isfinite(_run(runner, ds, cfg, 1)["g_loss"])
+
+
+def test_async_k0_equals_sync():
+    over = [*RING, *SMOOTH_ADAM, "n_disc=2"]
+    cfg = load_train_config("tiny", over)
+    cfg_a = load_train_config("tiny", [*over, "scheme=async", "async_.staleness=0"])
+    ds = load_dataset(cfg)
+    mesh = make_mesh("data=2", jax.devices()[:2])
+    sync = SyncRunner(cfg, mesh, ds.images.shape[1:])
+    asyn = AsyncRunner(cfg_a, mesh, ds.images.shape[1:])
+    ms, ma = _run(sync, ds, cfg, 2), _run(asyn, ds, cfg_a, 2)
+    for k in ms:
+        np.testing.assert_allclose(ms[k], ma[k], atol=1e-5, rtol=1e-5)
+    assert _max_diff(sync.state.g_params, asyn.g_state["g_params"]) < 1e-5
+    assert _max_diff(sync.state.d_params, asyn.d_state["d_params"]) < 1e-5
+    assert _max_diff(sync.state.d_stats, asyn.d_state["d_stats"]) < 1e-5
+    assert asyn.g.mesh.devices.size == 1 and asyn.d.mesh.devices.size == 1
+    assert set(asyn.g.mesh.devices.flat).isdisjoint(asyn.d.mesh.devices.flat)
+
+
+def test_async_snapshot_staleness_bound():
+    cfg = load_train_config("tiny", [*RING, "scheme=async", "async_.staleness=2"])
+    ds = load_dataset(cfg)
+    r = AsyncRunner(cfg, make_mesh("data=2", jax.devices()[:2]), ds.images.shape[1:])
+    history = [jax.device_get(r.d_state["d_params"])]
+    for t in range(4):
+        _run_one = [batch_at(ds, cfg.data.batch_size, 0, t)]
+        snap_before = jax.device_get(r.g_state["d_snap_params"])
+        r.run_step(_run_one)
+        history.append(jax.device_get(r.d_state["d_params"]))
+        snap_used = jax.device_get(r.g_state["d_snap_params"])
+        # Iteration t refreshes the snapshot to D before its update when t % k == 0.
+        expect = history[t] if t % 2 == 0 else snap_before
+        assert _max_diff(snap_used, expect) == 0.0
+        assert _max_diff(snap_used, history[t + 1]) > 0.0  # never the D of this iteration
+    assert r.step == 4
+    assert len(r.buffer) <= cfg.async_.buffer_size
+
+
+def test_batch_not_dividing_data_axis_is_an_error(tmp_path):
+    cfg = load_train_config("tiny", ["data.batch_size=12", "sharding.num_devices=8"])
+    with pytest.raises(ConfigError, match="batch_size=12 does not divide"):
+        Trainer(cfg, str(tmp_path))
+    cfg = load_train_config("tiny", ["scheme=async", "sharding.num_devices=1"])
+    with pytest.raises(ConfigError, match="at least 2 devices"):
+        Trainer(cfg, str(tmp_path))
+
+
+def test_trainer_resume_matches_uninterrupted(tmp_path):
+    cfg = load_train_config("tiny", [*RING, "steps=4", "checkpoint.every=2"])
+    full = Trainer(cfg, str(tmp_path / "full"), progress=False)
+    full.train()
+    part = Trainer(cfg, str(tmp_path / "part"), progress=False)
+    part.train(steps=2)
+    resumed = Trainer(cfg, str(tmp_path / "part"), progress=False)
+    summary = resumed.train()
+    assert summary["resumed_from"] == 2 and summary["step"] == 4
+    a, b = full.runner.state, resumed.runner.state
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_corrupted_latest_checkpoint_falls_back(tmp_path):
+    cfg = load_train_config("tiny", [*RING, "steps=4", "checkpoint.every=2"])
+    Trainer(cfg, str(tmp_path), progress=False).train()
+    ckpt = tmp_path / "checkpoints"
+    assert (ckpt / "4").is_dir() and (ckpt / "2").is_dir()
+    for f in (ckpt / "4" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    t = Trainer(cfg, str(tmp_path), progress=False)
+    with pytest.warns(RuntimeWarning, match="step 4 .* cannot be restored"):
+        step = t.restore()
+    assert step == 2
+    assert (ckpt / "corrupt-4").is_dir()
+    # Training continues from step 2 and can save step 4 again.
+    assert t.train()["step"] == 4 and (ckpt / "4").is_dir()
