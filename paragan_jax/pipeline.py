@@ -35,7 +35,7 @@ import dataclasses
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -48,6 +48,7 @@ __all__ = [
     "Observation",
     "PipelineConfig",
     "epoch_indices",
+    "trainer_batch_iterator_factory",
 ]
 
 
@@ -509,3 +510,47 @@ class InputPipeline:
     def batches(self, start_epoch: int = 0, start_batch: int = 0) -> BatchStream:
         """An endless stream of batches over successive epochs, prefetching across boundaries."""
         return BatchStream(self, start_epoch, start_batch, num_epochs=None)
+
+
+def trainer_batch_iterator_factory(
+    config: PipelineConfig | None = None,
+    wrap_storage: Callable[[Storage], Storage] | None = None,
+) -> Callable[..., BatchStream]:
+    """A ``batch_iterator_factory`` for `paragan_jax.train.Trainer` backed by this pipeline.
+
+    The batches are exactly those of the trainer's default loader (`paragan_jax.data.batch_at`:
+    permutation seeded by ``(seed, epoch)``, full batches only), so checkpoints resume the same
+    way; only how they are fetched changes (adaptive workers and depth, memory cap).
+
+    Args:
+      config: pipeline settings (batch size, seed, shuffle and remainder are taken from the
+        trainer); defaults to `PipelineConfig()`.
+      wrap_storage: optional wrapper around the in-memory data set, e.g.
+        ``lambda s: EmulatedRemoteStorage(s, seed=0)`` to train against the emulated store.
+
+    Returns:
+      ``factory(dataset, batch_size, seed, start) -> BatchStream``.
+    """
+    from .storage import InMemoryStorage
+
+    base = config or PipelineConfig()
+
+    def factory(dataset, batch_size: int, seed: int, start: int = 0) -> BatchStream:
+        storage: Storage = InMemoryStorage({"image": dataset.images, "label": dataset.labels})
+        if wrap_storage is not None:
+            storage = wrap_storage(storage)
+        per_epoch = len(storage) // batch_size
+        if per_epoch < 1:
+            raise ValueError(f"data set of {len(storage)} examples is smaller than one batch")
+        cfg = dataclasses.replace(
+            base,
+            batch_size=batch_size,
+            seed=seed,
+            shuffle=True,
+            drop_remainder=True,
+            num_workers=min(max(base.num_workers, base.min_workers), base.max_workers),
+        )
+        epoch, k = divmod(start, per_epoch)
+        return InputPipeline(storage, cfg, process_index=0, process_count=1).batches(epoch, k)
+
+    return factory

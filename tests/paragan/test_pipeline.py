@@ -211,3 +211,23 @@ def test_bad_config_names_the_field():
         PipelineConfig(num_workers=0)
     with pytest.raises(ValueError, match="process_index"):
         epoch_indices(10, 0, process_index=2, process_count=2)
+
+
+def test_trainer_factory_serves_the_trainers_exact_batches_and_resumes():
+    from paragan_jax.config import load_train_config
+    from paragan_jax.data import batch_at, load_dataset
+    from paragan_jax.pipeline import trainer_batch_iterator_factory
+
+    ds = load_dataset(load_train_config("tiny"))
+    factory = trainer_batch_iterator_factory(
+        PipelineConfig(num_workers=2),
+        wrap_storage=lambda s: EmulatedRemoteStorage(s, seed=0, base_latency_s=1e-4),
+    )
+    per_epoch = len(ds) // 16
+    for start in (0, per_epoch - 2):  # the second crosses an epoch boundary
+        it = factory(ds, 16, 3, start)
+        for i in range(4):
+            got, want = next(it), batch_at(ds, 16, 3, start + i)
+            np.testing.assert_array_equal(got["image"], want["image"])
+            np.testing.assert_array_equal(got["label"], want["label"])
+        it.close()
