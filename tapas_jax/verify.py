@@ -120,8 +120,8 @@ def count_collectives(hlo: str, num_devices: int) -> tuple[dict[str, int], dict[
     trips = _trip_counts(hlo)
     current = ""
     for line in hlo.splitlines():
-        header = re.match(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if header and "=" not in line.split("{")[0]:
+        header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(", line)  # unindented
+        if header:
             current = header.group(1)
         m = _OP.search(line)
         if not m:

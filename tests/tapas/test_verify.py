@@ -62,6 +62,22 @@ def test_plan_command_memory_error(tmp_path, capsys):
     assert "smallest memory that would fit" in capsys.readouterr().err
 
 
+def test_collectives_in_a_while_body_count_once_per_trip():
+    hlo = """
+%body.1 (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar = f32[8]{0} all-reduce(%x), replica_groups=[4,2]<=[8], to_apply=%add
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]) while(%t), condition=%cond.1, body=%body.1, TRIPS
+}
+"""
+    hlo = hlo.replace("TRIPS", 'backend_config={"known_trip_count":{"n":"3"}}')
+    counts, moved = count_collectives(hlo, 8)
+    assert counts == {"all-reduce": 3}
+    assert moved["all-reduce"] == pytest.approx(3 * 2 * 0.5 * 8 * 4)
+
+
 def test_count_collectives_reads_tuples_and_mesh_groups():
     hlo = """
 ENTRY %main {

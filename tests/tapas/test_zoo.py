@@ -50,7 +50,7 @@ def test_zoo_model_verifies(name, mesh_2x4):
     p = plan(model.fn, model.params, *model.inputs, mesh=mesh_2x4, hardware="tpu-v5e")
     r = verify(p, model.fn, model.init(0), *model.example_inputs(0))
     assert r.max_rel_error <= 1e-5
-    if name in ("t5", "vit"):
+    if name in ("t5", "vit", "gpt_scan"):
         assert r.compiled_comm_bytes == pytest.approx(r.predicted_comm_bytes, rel=0.10)
 
 
