@@ -135,6 +135,12 @@ def _bench(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--dtype", default="float32", help="model dtype for --micro decode")
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="profile for the roofline (default: by backend, cpu/h200/tpu-v5e)",
+    )
     _common_trace_args(p)
     args = p.parse_args(argv)
     if args.micro:
@@ -142,7 +148,12 @@ def _bench(argv: list[str]) -> int:
 
         if args.micro == "decode":
             res = loadgen.decode_step_benchmark(
-                args.preset, args.batch, args.context, steps=args.steps
+                args.preset,
+                args.batch,
+                args.context,
+                steps=args.steps,
+                dtype=args.dtype,
+                hardware=args.hardware,
             )
             print(f"{'step':<28}{'ms':>10}{'tok/s':>12}")
             print(
@@ -157,6 +168,10 @@ def _bench(argv: list[str]) -> int:
                 f"paged / dense = {res['paged_over_dense']:.3f} "
                 f"({res['preset']}, {res['params'] / 1e6:.1f}M params, batch {res['batch']}, "
                 f"context {res['context']})"
+            )
+            print(
+                f"roofline ({res['hardware']}): {res['roofline_step_ms']:.2f} ms/step, paged "
+                f"reaches {100 * res['paged_roofline_fraction']:.1f}%"
             )
         else:
             res = loadgen.offload_overlap_benchmark(

@@ -81,6 +81,10 @@ class ExecutorSection:
     """Smallest padded prefill chunk length (decodes are length 1)."""
     min_table_blocks: int = 1
     """Smallest padded block-table width."""
+    mesh: str | None = None
+    """Mesh spec for tensor parallelism, e.g. ``model=2`` (None: one device)."""
+    plan_memory_limit_bytes: float | None = None
+    """Per-device memory budget for the tapas_jax plan of the weights (None: the chip's)."""
     warmup: bool = False
     """Compile every step shape when the engine starts (servers and replays)."""
 

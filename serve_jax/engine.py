@@ -211,6 +211,8 @@ class Engine:
             prefill_rows=self.config.executor.prefill_rows,
             min_chunk=self.config.executor.min_chunk,
             min_table_blocks=self.config.executor.min_table_blocks,
+            mesh=_make_mesh(self.config.executor.mesh),
+            plan_memory_limit_bytes=self.config.executor.plan_memory_limit_bytes,
         )
         self.clock = clock
         self._tracked: dict[str, _Tracked] = {}
@@ -379,6 +381,28 @@ class Engine:
         s["offload_preemptions"] = self.scheduler.num_offload_preemptions
         s["steps"] = self.num_steps
         return s
+
+
+def _make_mesh(spec: str | None):
+    """The executor's mesh from a spec like ``model=2`` over the first devices (None: none)."""
+    if not spec:
+        return None
+    import jax
+
+    from tapas_jax.mesh import make_mesh
+
+    try:
+        sizes = [int(part.split("=", 1)[1]) for part in spec.split(",")]
+    except (IndexError, ValueError):
+        raise ValueError(f"executor.mesh: bad mesh spec {spec!r} (want e.g. 'model=2')") from None
+    if any(x < 0 for x in sizes):  # "-1" takes every device
+        return make_mesh(spec)
+    n = 1
+    for size in sizes:
+        n *= size
+    if n > jax.device_count():
+        raise ValueError(f"executor.mesh {spec!r} needs {n} devices, {jax.device_count()} seen")
+    return make_mesh(spec, devices=jax.devices()[:n])
 
 
 def request_metrics(req: Request) -> RequestMetrics:

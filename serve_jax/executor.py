@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from serve_jax.kv_cache import PagedKVView, make_kv_pools
 from serve_jax.model import Decoder
@@ -33,6 +34,49 @@ from serve_jax.sampling import SamplingParams, sample_tokens
 from serve_jax.scheduler import ExecutorOutput, ScheduledChunk, SchedulerOutput
 
 __all__ = ["JaxExecutor", "pad_pow2"]
+
+
+def plan_decoder(
+    model: Decoder,
+    mesh,
+    memory_limit_bytes: float | None = None,
+    batch: int = 8,
+    seq: int = 64,
+    hardware: str | None = None,
+):
+    """A `tapas_jax.plan` of the decoder's forward (no cache) on ``mesh``: weight shardings.
+
+    The planner sees a plain causal forward of ``[batch, seq]`` tokens; the paged step then
+    runs with the weights placed by the plan and GSPMD propagates the rest.
+    """
+    import tapas_jax
+    from serve_jax.attention import context_attention
+
+    graphdef, params = nnx.split(model)
+
+    class _NoCache:
+        def __init__(self, positions):
+            self.positions = positions
+
+        def attend(self, layer, q, k, v):
+            return context_attention(q, k, v, self.positions)
+
+    def forward(params, tokens):
+        m = nnx.merge(graphdef, params)
+        b, t = tokens.shape
+        pos = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+        return m(tokens, pos, _NoCache(pos))
+
+    kind = jax.default_backend()
+    hw = hardware or {"gpu": "h100", "tpu": "tpu-v5e"}.get(kind, "tpu-v5e")
+    return tapas_jax.plan(
+        forward,
+        params,
+        jax.ShapeDtypeStruct((batch, seq), jnp.int32),
+        mesh=mesh,
+        hardware=hw,
+        memory_limit_bytes=memory_limit_bytes,
+    )
 
 
 def _pow2_range(lo: int, hi: int) -> list[int]:
@@ -72,7 +116,11 @@ class JaxExecutor:
       num_device_blocks: pages in each device pool.
       block_size: tokens per page.
       use_host_tier: keep a host tier for offload (needs a host memory kind on the device).
-      device: where pools and weights live (default: the first device).
+      device: where pools and weights live (default: the first device); ignored with a mesh.
+      mesh: a mesh from `tapas_jax.mesh`; with a ``model`` axis > 1 the weights' shardings come
+        from a `tapas_jax.plan` of the model's forward, and the pools are split over KV heads
+        when the axis divides them (replicated otherwise).
+      plan_memory_limit_bytes: per-device memory budget handed to the planner.
       min_batch: smallest padded decode batch (raise it to compile fewer shapes).
       prefill_rows: rows per prefill call (chunks beyond it go in further calls); 0 puts
         all prefill chunks of a step in one call padded to a power of two.
@@ -91,6 +139,8 @@ class JaxExecutor:
         prefill_rows: int = 0,
         min_chunk: int = 1,
         min_table_blocks: int = 1,
+        mesh=None,
+        plan_memory_limit_bytes: float | None = None,
     ):
         self.min_batch, self.min_chunk = min_batch, min_chunk
         self.prefill_rows = prefill_rows
@@ -100,15 +150,31 @@ class JaxExecutor:
         self.block_size = block_size
         self.num_device_blocks = num_device_blocks
         self.device = device or jax.devices()[0]
+        self.mesh = mesh
+        self.plan = None
         graphdef, params = nnx.split(model)
-        self.params = jax.device_put(params, self.device)
-        self.k_pool, self.v_pool = make_kv_pools(
-            self.cfg, num_device_blocks, block_size, self.device
-        )
-        self.host = HostKVTier(self.device) if use_host_tier else None
-        self.num_steps = 0
-
         self.graphdef = graphdef
+        if mesh is None:
+            self._replicated = SingleDeviceSharding(self.device)
+            pool_sharding = self._replicated
+            param_shardings = self._replicated
+        else:
+            self._replicated = NamedSharding(mesh, PartitionSpec())
+            tp = dict(mesh.shape).get("model", 1)
+            if tp > 1:
+                self.plan = plan_decoder(model, mesh, memory_limit_bytes=plan_memory_limit_bytes)
+                param_shardings = self.plan.in_shardings(mesh)[0]
+            else:
+                param_shardings = self._replicated
+            kv_spec = "model" if tp > 1 and self.cfg.n_kv_heads % tp == 0 else None
+            pool_sharding = NamedSharding(mesh, PartitionSpec(None, None, None, kv_spec, None))
+        self.params = jax.device_put(params, param_shardings)
+        self.pool_sharding = pool_sharding
+        self.k_pool, self.v_pool = make_kv_pools(
+            self.cfg, num_device_blocks, block_size, sharding=pool_sharding
+        )
+        self.host = HostKVTier(self.device, sharding=pool_sharding) if use_host_tier else None
+        self.num_steps = 0
 
     # ---- batches -------------------------------------------------------------------------
     def _arrays(self, chunks: list[ScheduledChunk], tables: dict[str, list[int]]):
@@ -143,7 +209,7 @@ class JaxExecutor:
         return tokens, positions, valid, table_arr, last, temp, top_p, seed, ctr
 
     def _dispatch(self, chunks, tables) -> jax.Array:
-        args = [jnp.asarray(a) for a in self._arrays(chunks, tables)]
+        args = jax.device_put(list(self._arrays(chunks, tables)), self._replicated)
         toks, self.k_pool, self.v_pool = paged_step(
             self.graphdef, self.params, self.k_pool, self.v_pool, *args
         )
@@ -183,7 +249,7 @@ class JaxExecutor:
                 self.params,
                 self.k_pool,
                 self.v_pool,
-                *[jnp.asarray(a) for a in args],
+                *jax.device_put(args, self._replicated),
             )
             toks.block_until_ready()
         return len(shapes)

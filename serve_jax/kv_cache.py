@@ -31,13 +31,13 @@ def pool_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int,
 
 
 def make_kv_pools(
-    cfg: ModelConfig, num_blocks: int, block_size: int, device=None
+    cfg: ModelConfig, num_blocks: int, block_size: int, device=None, sharding=None
 ) -> tuple[jax.Array, jax.Array]:
-    """Zeroed K and V page pools on ``device`` (default: the first device)."""
+    """Zeroed K and V page pools with ``sharding`` (or on ``device``; default the first)."""
     shape = pool_shape(cfg, num_blocks, block_size)
-    device = device or jax.devices()[0]
-    k = jax.device_put(jnp.zeros(shape, cfg.jnp_dtype), device)
-    v = jax.device_put(jnp.zeros(shape, cfg.jnp_dtype), device)
+    where = sharding if sharding is not None else (device or jax.devices()[0])
+    k = jax.device_put(jnp.zeros(shape, cfg.jnp_dtype), where)
+    v = jax.device_put(jnp.zeros(shape, cfg.jnp_dtype), where)
     return k, v
 
 

@@ -176,8 +176,13 @@ def decode_step_benchmark(
     block_size: int = 16,
     steps: int = 20,
     seed: int = 0,
+    dtype: str = "float32",
+    hardware: str | None = None,
 ) -> dict:
     """Median decode step time, paged (engine kernel) against a dense cache, same model/batch.
+
+    Also reports the step's memory-bandwidth roofline (weights + live KV read once at the
+    profile's HBM bandwidth) and the fraction of it the paged step reaches.
 
     Both steps embed one token per sequence, run the whole model, write K/V and sample a
     token on device; the paged one reads the context through shuffled block tables.
@@ -193,7 +198,7 @@ def decode_step_benchmark(
     from serve_jax.model import count_params, get_model_config, init_model
     from serve_jax.sampling import sample_tokens
 
-    cfg = get_model_config(preset, max_seq_len=context + steps + 8)
+    cfg = get_model_config(preset, max_seq_len=context + steps + 8, dtype=dtype)
     model = init_model(cfg, seed)
     graphdef, params = nnx.split(model)
     max_len = context + steps + 4
@@ -257,7 +262,20 @@ def decode_step_benchmark(
         t_paged += _time_loop(paged, 1, warmup=0)
         t_dense += _time_loop(dense, 1, warmup=0)
     p, d = float(np.median(t_paged)), float(np.median(t_dense))
+    # Memory-bandwidth roofline of a decode step: read every weight and the live KV once.
+    from tapas_jax.hardware import get_profile
+
+    profile = get_profile(
+        hardware or {"gpu": "h200", "tpu": "tpu-v5e"}.get(jax.default_backend(), "cpu")
+    )
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    kv_bytes = batch * (context + 1) * cfg.kv_bytes_per_token()
+    roofline_s = (param_bytes + kv_bytes) / profile.hbm_bandwidth
     return {
+        "hardware": profile.name,
+        "bytes_per_step": param_bytes + kv_bytes,
+        "roofline_step_ms": roofline_s * 1e3,
+        "paged_roofline_fraction": roofline_s / p,
         "preset": preset,
         "params": count_params(model),
         "batch": batch,

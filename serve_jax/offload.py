@@ -64,17 +64,19 @@ class HostKVTier:
     """K/V pages held in host memory, keyed by host block id.
 
     Args:
-      device: the device whose pools are offloaded.
+      device: the device whose pools are offloaded (with no ``sharding``).
       memory_kind: host memory kind; default `host_memory_kind(device)`.
+      sharding: the pools' sharding (pages keep it, in host memory); default ``device``.
     """
 
-    def __init__(self, device, memory_kind: str | None = None):
+    def __init__(self, device, memory_kind: str | None = None, sharding=None):
         self.device = device
         self.memory_kind = memory_kind or host_memory_kind(device)
         if self.memory_kind is None:
             raise ValueError(f"device {device} has no host memory kind for KV offload")
-        self._host = SingleDeviceSharding(device, memory_kind=self.memory_kind)
-        self._dev = SingleDeviceSharding(device, memory_kind="device")
+        base = sharding if sharding is not None else SingleDeviceSharding(device)
+        self._host = base.with_memory_kind(self.memory_kind)
+        self._dev = base.with_memory_kind("device")
         self._where: dict[int, tuple[_Chunk, int]] = {}
         self._in_flight: list[tuple[list[tuple[int, int]], _Chunk]] = []
 
