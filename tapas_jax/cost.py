@@ -29,7 +29,7 @@ from collections import Counter
 import numpy as np
 
 from .collectives import KINDS, bytes_moved, collective_seconds
-from .fold import Folding, no_folding
+from .fold import Folding, local_hashes, no_folding
 from .graph import Graph
 from .hardware import HardwareProfile
 from .rules import (
@@ -253,6 +253,23 @@ def build_problem(
     unknown: set[str] = set()
     shapes, dtypes = graph.shapes, graph.dtypes
     const = constant_vars(graph)
+    # Equations with equal local hashes have equal rules: evaluate each rule once.
+    sig = fold.hashes if fold.hashes is not None else local_hashes(graph)
+    rule_cache: dict = {}
+
+    def follow_cached(e, i, k, spec):
+        key = (sig[i], k, spec)
+        hit = rule_cache.get(key)
+        if hit is None:
+            hit = rule_cache[key] = follow(e, graph, k, spec, axes)
+        return hit
+
+    def leader_cached(e, i):
+        key = (sig[i], "leader")
+        if key not in rule_cache:
+            rule_cache[key] = leader_strategies(e, graph, axes)
+        return rule_cache[key]
+
     if batch_axis is not None and batch_axis in axes.sizes:
         bd = batch_dims(
             graph, [a != param_arg for a in graph.input_args], axes.sizes[batch_axis], fold
@@ -304,10 +321,10 @@ def build_problem(
         if k is not None and w in owner:
             node = owner[w]
             uniq, idx = table[w]
-            strategies = [follow(e, graph, k, s, axes) for s in uniq]
+            strategies = [follow_cached(e, i, k, s) for s in uniq]
             add_costs(node, strategies, idx, mult)
         else:
-            strategies = leader_strategies(e, graph, axes)
+            strategies = leader_cached(e, i)
             if strategies is None and k is not None:
                 strategies = free_strategies(e, graph, k, axes)
             if strategies is None:

@@ -50,6 +50,8 @@ class Folding:
     the weight of scan bodies."""
     scans: list[int] = dataclasses.field(default_factory=list)
     """Lengths of the scans (each an already folded block)."""
+    hashes: np.ndarray | None = None
+    """Local structural hash of every equation (equal hashes: equal rules), if computed."""
 
     @property
     def layers(self) -> int:
@@ -278,4 +280,4 @@ def fold_repeated_blocks(graph: Graph, min_period: int = MIN_PERIOD) -> Folding:
     for v in graph.inputs:  # representatives map to themselves
         if rep_var[rep_var[v]] != rep_var[v]:
             rep_var[v] = v
-    return Folding(blocks, rep_eqn, rep_var, count, list(graph.scans))
+    return Folding(blocks, rep_eqn, rep_var, count, list(graph.scans), hashes)
