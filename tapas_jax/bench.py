@@ -25,7 +25,12 @@ __all__ = ["main", "bench_row"]
 
 
 def bench_row(
-    layers: int, dims: dict, mesh_axes: dict[str, int], hardware: str, time_limit: float
+    layers: int,
+    dims: dict,
+    mesh_axes: dict[str, int],
+    hardware: str,
+    time_limit: float,
+    batch_axis: str | None = "data",
 ) -> dict:
     """One row of the benchmark: search seconds and plan cost of tapas, ILP and Megatron."""
     from . import zoo
@@ -45,12 +50,12 @@ def bench_row(
 
     t0, c0 = time.perf_counter(), time.process_time()
     folding = fold_repeated_blocks(graph)
-    lowered = build_problem(graph, mesh_axes, hw, folding)
-    tapas = solve(lowered.problem, hw.hbm_bytes)
+    lowered = build_problem(graph, mesh_axes, hw, folding, batch_axis=batch_axis)
+    tapas = solve(lowered.problem, hw.hbm_bytes, time_limit=time_limit)
     tapas_seconds, tapas_cpu = time.perf_counter() - t0, time.process_time() - c0
 
     t0, c0 = time.perf_counter(), time.process_time()
-    unfolded = build_problem(graph, mesh_axes, hw, no_folding(graph))
+    unfolded = build_problem(graph, mesh_axes, hw, no_folding(graph), batch_axis=batch_axis)
     ilp = solve_ilp(unfolded.problem, hw.hbm_bytes, time_limit=time_limit)
     ilp_seconds, ilp_cpu = time.perf_counter() - t0, time.process_time() - c0
 
@@ -67,6 +72,7 @@ def bench_row(
         "speedup": ilp_seconds / tapas_seconds,
         "cpu_speedup": ilp_cpu / tapas_cpu,
         "cost_ratio": tapas.objective / ilp.objective,
+        "tapas_method": tapas.method,
         "ilp_optimal": ilp.optimal,
         "ilp_status": ilp.status,
         "ilp_variables": ilp.num_variables,
@@ -127,6 +133,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mesh", default="data=2,model=4")
     p.add_argument("--hardware", default="tpu-v5e")
     p.add_argument("--time-limit", type=float, default=600.0, help="ILP time limit, seconds")
+    p.add_argument(
+        "--space",
+        choices=("batch", "full"),
+        default="batch",
+        help="batch: the data axis only splits the batch (the planner's default); full: every "
+        "mesh axis may split any dimension (Alpa's space)",
+    )
     p.add_argument("--json", default="bench.json")
     args = p.parse_args(argv[1:])
     from .mesh import parse_mesh_spec
@@ -145,7 +158,8 @@ def main(argv: list[str]) -> int:
         "vocab": args.vocab,
     }
     # Warm up imports and caches once (untimed) so the first row is not charged for them.
-    bench_row(min(depths), dims, mesh_axes, args.hardware, args.time_limit)
+    batch_axis = "data" if args.space == "batch" else None
+    bench_row(min(depths), dims, mesh_axes, args.hardware, args.time_limit, batch_axis)
     rows = []
     head = (
         f"{'layers':>6} {'tapas s':>8} {'ILP s':>8} {'speedup':>8} {'tapas cpu':>9} "
@@ -154,7 +168,7 @@ def main(argv: list[str]) -> int:
     )
     print(head)
     for n in depths:
-        r = bench_row(n, dims, mesh_axes, args.hardware, args.time_limit)
+        r = bench_row(n, dims, mesh_axes, args.hardware, args.time_limit, batch_axis)
         rows.append(r)
         print(
             f"{n:>6} {r['tapas_seconds']:>8.3f} {r['ilp_seconds']:>8.2f} {r['speedup']:>7.1f}x "
@@ -171,6 +185,7 @@ def main(argv: list[str]) -> int:
         "hardware": args.hardware,
         "dims": dims,
         "time_limit": args.time_limit,
+        "space": args.space,
     }
     out.write_text(json.dumps({"rows": rows, "config": meta}, indent=1))
     png = out.with_suffix(".png")

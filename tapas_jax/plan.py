@@ -364,6 +364,6 @@ def cost_with_param_specs(lowered: Lowered, specs: Callable[[str, int], Any]) ->
         if want not in uniq:
             continue
         n = lowered.owner[v]
-        compute[n] = np.where(idx == uniq.index(want), compute[n], np.inf)
+        compute[n] = np.where(idx == uniq.index(want), compute[n], 1e9)  # excluded
     fixed = dataclasses.replace(prob, compute=compute)
     return solve(fixed).objective

@@ -63,3 +63,20 @@ def test_gpt3_shaped_96_layers_on_1024_chips_under_a_minute():
     assert time.perf_counter() - t0 < 60
     assert p.fold["layers"] == 96
     assert p.predicted["peak_memory_bytes"] <= 95 * 2**30
+
+
+TP_DIMS = {
+    "vit": {"layers": 2, "d_model": 128, "heads": 4, "batch": 8, "image": 32, "patch": 4},
+    "t5": {"layers": 2, "d_model": 128, "heads": 4, "seq_len": 64, "batch": 8, "vocab": 256},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(TP_DIMS))
+def test_tensor_parallel_vit_and_t5_verify(name, mesh_2x4):
+    model = zoo.build(name, **TP_DIMS[name])
+    p = plan(model.fn, model.params, *model.inputs, mesh=mesh_2x4, hardware="tpu-v5e")
+    assert any("model" in spec for spec in p.param_paths.values())
+    r = verify(p, model.fn, model.init(0), *model.example_inputs(0))
+    assert r.max_rel_error <= 1e-5
+    assert r.compiled_comm_bytes == pytest.approx(r.predicted_comm_bytes, rel=0.10)
