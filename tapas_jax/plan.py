@@ -82,8 +82,18 @@ class Plan:
             raise ValueError(f"mesh {dict(mesh.shape)} differs from the plan's {self.mesh_axes}")
         return mesh
 
-    def in_shardings(self, mesh=None) -> tuple:
-        """`NamedSharding` pytrees for every positional argument (params first)."""
+    @property
+    def in_shardings(self) -> tuple:
+        """`NamedSharding` pytrees for every positional argument (params first), on `mesh`."""
+        return self.in_shardings_on(None)
+
+    @property
+    def out_shardings(self) -> Any:
+        """`NamedSharding` pytree for the outputs, on `mesh`."""
+        return self.out_shardings_on(None)
+
+    def in_shardings_on(self, mesh=None) -> tuple:
+        """`in_shardings` on another mesh of the same shape (e.g. after `from_json`)."""
         mesh = self._need_mesh(mesh)
         if self.in_treedef is None:
             raise ValueError("a plan read from JSON needs with_structure(params, *inputs) first")
@@ -93,8 +103,8 @@ class Plan:
             is_leaf=lambda x: isinstance(x, PartitionSpec),
         )
 
-    def out_shardings(self, mesh=None) -> Any:
-        """`NamedSharding` pytree for the outputs."""
+    def out_shardings_on(self, mesh=None) -> Any:
+        """`out_shardings` on another mesh of the same shape."""
         mesh = self._need_mesh(mesh)
         if self.out_treedef is None:
             raise ValueError("a plan read from JSON needs with_structure(params, *inputs) first")
@@ -105,8 +115,8 @@ class Plan:
         """``jax.jit(fn)`` with this plan's input and output shardings."""
         return jax.jit(
             fn,
-            in_shardings=self.in_shardings(mesh),
-            out_shardings=self.out_shardings(mesh),
+            in_shardings=self.in_shardings_on(mesh),
+            out_shardings=self.out_shardings_on(mesh),
             **jit_kwargs,
         )
 
@@ -299,7 +309,7 @@ def plan(
         def forward(params, x):
             return nnx.merge(graphdef, params, rest)(x)
         p = tapas_jax.plan(forward, params, x, mesh=make_mesh("data=2,model=4"))
-        nnx.update(model, jax.device_put(params, p.in_shardings()[0]))
+        nnx.update(model, jax.device_put(params, p.in_shardings[0]))
 
     (``params`` may be abstract: ``nnx.split(nnx.eval_shape(lambda: Model(...)), nnx.Param, ...)``.)
 

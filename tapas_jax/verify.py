@@ -160,7 +160,7 @@ def verify(plan, fn, params, *inputs, mesh=None) -> VerifyResult:
     if plan.in_treedef is None:
         plan = plan.with_structure(fn, params, *inputs, mesh=mesh)
     sharded = plan.jit(fn, mesh)
-    args = jax.device_put((params, *inputs), plan.in_shardings(mesh))
+    args = jax.device_put((params, *inputs), plan.in_shardings_on(mesh))
     compiled = sharded.lower(*args).compile()
     n = int(np.prod(list(plan.mesh_axes.values())))
     counts, by_kind = count_collectives(compiled.as_text(), n)

@@ -148,8 +148,8 @@ def test_generic_nnx_forward_plans_and_runs(mesh_2x4):
 
     x = jax.random.normal(jax.random.key(1), (16, 64))
     p = plan(forward, params, x, mesh=mesh_2x4, hardware="tpu-v5e")
-    sharded_params = jax.device_put(params, p.in_shardings()[0])
-    got = p.jit(forward)(sharded_params, jax.device_put(x, p.in_shardings()[1]))
+    sharded_params = jax.device_put(params, p.in_shardings[0])
+    got = p.jit(forward)(sharded_params, jax.device_put(x, p.in_shardings[1]))
     np.testing.assert_allclose(
         np.asarray(got), np.asarray(forward(params, x)), rtol=1e-5, atol=1e-6
     )
