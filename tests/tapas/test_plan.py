@@ -155,3 +155,16 @@ def test_generic_nnx_forward_plans_and_runs(mesh_2x4):
     )
     nnx.update(model, sharded_params)
     assert model.fc1.kernel[...].sharding.spec == p.param_specs["fc1"]["kernel"]
+
+
+def test_one_dimensional_mesh_uses_fsdp_when_memory_demands(mesh8):
+    m = zoo.build("gpt", layers=2, d_model=128, heads=4, seq_len=32, batch=8, vocab=256)
+    roomy = plan(m.fn, m.params, *m.inputs, mesh=mesh8, hardware="tpu-v5e")
+    assert roomy.input_paths[0]["arg1"] == ["data", None]
+    assert all(spec == [None] * len(spec) for spec in roomy.param_paths.values())
+    lowered, _ = lower(m.fn, m.params, *m.inputs, mesh=mesh8, hardware="tpu-v5e")
+    floor = lowered.problem.min_memory()
+    limit = floor + 0.25 * (roomy.predicted["peak_memory_bytes"] - floor)
+    tight = plan(m.fn, m.params, *m.inputs, mesh=mesh8, memory_limit_bytes=limit)
+    assert tight.predicted["peak_memory_bytes"] <= limit
+    assert any("data" in spec for spec in tight.param_paths.values())  # ZeRO-3 style
