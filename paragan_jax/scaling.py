@@ -13,6 +13,9 @@ Per step, with N chips on a 2-D torus ``a x b`` (TPU v3 pods are 2-D tori):
 - a gradient all-reduce on the torus = reduce-scatter over ``b``, all-reduce of the ``1/b`` shard
   over ``a``, all-gather over ``b`` (each priced by `collective_seconds`); ``overlap`` is the
   fraction hidden behind the backward pass;
+- ``small_collectives`` latency-bound collectives (batch-norm statistics over the sharded batch,
+  loss means), each one torus all-reduce latency; counted from the compiled step of a narrow copy
+  of the model (``--count-collectives``), 0 by default;
 - network/host jitter: every chip's step time is ``T (1 + jitter Z)``; a barrier over ``n``
   chips waits for the slowest, ``E[max of n] = jitter x T x Phi^-1((n - 0.375)/(n + 0.25))``
   (Blom's approximation of the normal order statistic).
@@ -118,6 +121,10 @@ class ScalingParams:
     """Relative std of one chip's step time (host, network and ICI jitter)."""
     overlap: float = 0.0
     """Fraction of gradient all-reduce hidden behind the backward pass."""
+    small_collectives: int = 0
+    """Latency-bound collectives per step besides the gradient all-reduces (batch-norm statistics,
+    loss means), each paying one torus all-reduce latency; `count_step_collectives` measures it
+    from the compiled step (``--count-collectives``)."""
     use_bytes: bool = False
     """Also bound compute by ``bytes / HBM bandwidth`` (roofline). Off by default: the
     lowered (unfused) HLO overcounts bytes several-fold."""
@@ -220,6 +227,7 @@ def predict(
     if scheme == "sync" or (scheme == "async" and chips == 1):
         comm = costs.n_disc * allreduce_seconds(costs.d_param_bytes, chips, hw)
         comm += allreduce_seconds(costs.g_param_bytes, chips, hw)
+        comm += params.small_collectives * allreduce_seconds(4.0, chips, hw)
         exposed = comm * (1 - params.overlap)
         jitter = params.jitter * expected_max_normal(chips) * ideal
         step = ideal + exposed + jitter
@@ -240,8 +248,14 @@ def predict(
         t_d = _compute_seconds(
             costs.d_side_flops * scale_d, costs.n_disc * costs.d_update_bytes * scale_d, hw, params
         )
-        ar_g = allreduce_seconds(costs.g_param_bytes, n_g, hw) * (1 - params.overlap)
-        ar_d = costs.n_disc * allreduce_seconds(costs.d_param_bytes, n_d, hw) * (1 - params.overlap)
+        # Small collectives split between the groups in proportion to their work.
+        small_g = params.small_collectives * share * allreduce_seconds(4.0, n_g, hw)
+        small_d = params.small_collectives * (1 - share) * allreduce_seconds(4.0, n_d, hw)
+        ar_g = allreduce_seconds(costs.g_param_bytes, n_g, hw) * (1 - params.overlap) + small_g
+        ar_d = (
+            costs.n_disc * allreduce_seconds(costs.d_param_bytes, n_d, hw) * (1 - params.overlap)
+            + small_d
+        )
         j_g = params.jitter * expected_max_normal(n_g) * t_g
         j_d = params.jitter * expected_max_normal(n_d) * t_d
         side_g, side_d = t_g + ar_g + j_g, t_d + ar_d + j_d
@@ -370,6 +384,31 @@ def measure_step_costs(config, name: str | None = None) -> StepCosts:
     )
 
 
+def count_step_collectives(config, devices: int = 2) -> dict[str, int]:
+    """Collectives in the sync step compiled data-parallel over `devices` local devices.
+
+    Compiling a full-width BigGAN on a CPU is slow; the count depends on the architecture
+    (layers, batch norms), not on the widths, so a narrow copy of the model gives the same count.
+    """
+    import jax
+
+    from tapas_jax.mesh import make_mesh
+    from tapas_jax.verify import count_collectives
+
+    from .train import batch_struct, make_sync_step, make_train_state
+
+    if jax.device_count() < devices:
+        raise RuntimeError(
+            f"need {devices} devices to count collectives, have {jax.device_count()}"
+        )
+    mesh = make_mesh(f"data={devices}", devices=jax.devices()[:devices])
+    state, parts = make_train_state(config, mesh)
+    m = config.model
+    batch = batch_struct(config, parts, (m.resolution, m.resolution, m.channels))
+    text = make_sync_step(config, parts).lower(state, batch).compile().as_text()
+    return count_collectives(text, devices)[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Measured multi-process CPU runs (the model's check).
 
@@ -428,6 +467,20 @@ def _worker(argv: list[str]) -> int:
 
     from .train import make_sync_step, make_train_state
 
+    def barrier(name: str) -> None:
+        # The coordinator's key-value barrier: unlike a device collective it has no short
+        # connect timeout, so processes that compile at very different speeds still meet.
+        try:
+            from jax._src import distributed
+
+            client = distributed.global_state.client
+        except (ImportError, AttributeError):  # private API moved: use a device barrier
+            client = None
+        if client is None:
+            multihost_utils.sync_global_devices(name)
+        else:
+            client.wait_at_barrier(name, 1_200_000)
+
     pid = args.process_id
     counts = [int(c) for c in args.counts.split(",")]
     devices = sorted(jax.devices(), key=lambda d: d.process_index)
@@ -455,10 +508,14 @@ def _worker(argv: list[str]) -> int:
             if pid == 0:
                 c, moved = count_collectives(compiled.as_text(), n)
                 out["collectives"][str(n)] = {"count": c, "moved_bytes": moved}
+            runs[n] = [compiled, state, batch]
+        barrier(f"compiled-{n}")
+        if pid < n:
+            compiled, state, batch = runs[n]
             state, metrics = compiled(state, batch)  # warm-up
             jax.block_until_ready(metrics)
-            runs[n] = [compiled, state, batch]
-        multihost_utils.sync_global_devices(f"built-{n}")
+            runs[n][1] = state
+        barrier(f"warm-{n}")
     times: dict[int, list[float]] = {n: [] for n in counts}
     for r in range(args.rounds):
         for n in counts:
@@ -470,9 +527,10 @@ def _worker(argv: list[str]) -> int:
                     jax.block_until_ready(metrics)
                     times[n].append(time.perf_counter() - t0)
                 runs[n][1] = state
-            multihost_utils.sync_global_devices(f"round-{r}-{n}")
+            barrier(f"round-{r}-{n}")
     out["step_times"] = {str(n): t for n, t in times.items()}
     sizes = [int(s) for s in args.allreduce_sizes.split(",") if s]
+    barrier("allreduce")
     if sizes and args.num_processes >= 2 and pid < 2:
         mesh2 = make_mesh("data=2", devices=devices[:2])
         coll = {}
@@ -489,7 +547,7 @@ def _worker(argv: list[str]) -> int:
                 ts.append(time.perf_counter() - t0)
             coll[str(size)] = float(np.median(ts))
         out["allreduce_s"] = coll
-    multihost_utils.sync_global_devices("done")
+    barrier("done")
     if pid == 0:
         print("RESULT " + json.dumps(out), flush=True)
     return 0
@@ -649,6 +707,17 @@ def scaling_command(argv: list[str]) -> int:
     )
     ap.add_argument("--achieved-fraction", type=float, default=ScalingParams.achieved_fraction)
     ap.add_argument("--overlap", type=float, default=ScalingParams.overlap)
+    ap.add_argument(
+        "--count-collectives",
+        action="store_true",
+        help="count the step's small collectives from a narrow compiled copy (slow)",
+    )
+    ap.add_argument(
+        "--small-collectives",
+        type=int,
+        default=0,
+        help="latency-bound collectives per step besides gradient all-reduces",
+    )
     ap.add_argument("--check-cpu", default="", help="also measure N CPU processes, e.g. 1,2,4")
     ap.add_argument("--check-steps", type=int, default=5, help="steps per round per count")
     args = ap.parse_args(argv[1:])
@@ -658,12 +727,28 @@ def scaling_command(argv: list[str]) -> int:
             raise ValueError
     except ValueError:
         ap.error(f"--chips {args.chips!r}: expected positive integers such as 8,64,256,1024")
+    cfg = load_model_config(args.model, args.per_chip_batch)
+    small, counted = args.small_collectives, None
+    if args.count_collectives:
+        narrow = load_model_config(
+            args.model,
+            args.per_chip_batch,
+            [
+                "model.g_width=4",
+                "model.d_width=4",
+                "model.dtype=float32",
+                "sharding.params=replicated",
+            ],
+        )
+        counted = count_step_collectives(narrow)
+        # XLA combines the gradient all-reduces into a few; count them all as small ones
+        # (an over-estimate by those few latency terms).
+        small = int(sum(counted.values()))
     try:
         hw = get_profile(args.hardware)
-        params = ScalingParams(args.achieved_fraction, args.jitter, args.overlap)
+        params = ScalingParams(args.achieved_fraction, args.jitter, args.overlap, small)
     except ValueError as e:
         ap.error(str(e))
-    cfg = load_model_config(args.model, args.per_chip_batch)
     costs = measure_step_costs(cfg, args.model)
     rows = [predict(costs, n, s, hw, params) for n in chips for s in ("sync", "async")]
     paper = {
@@ -694,6 +779,7 @@ def scaling_command(argv: list[str]) -> int:
         "params": dataclasses.asdict(params),
         "costs": dataclasses.asdict(costs),
         "paper": paper,
+        "counted_collectives": counted,
     }
     if args.check_cpu:
         procs = tuple(int(p) for p in args.check_cpu.split(","))

@@ -67,6 +67,11 @@ def test_predictions_trend_and_respond_to_jitter():
     assert noisy["step_seconds"] - calm["step_seconds"] == pytest.approx(
         0.1 * S.expected_max_normal(1024) * calm["compute_s"]
     )
+    small = S.predict(c, 1024, "sync", "tpu-v3", S.ScalingParams(small_collectives=50))
+    base = S.predict(c, 1024, "sync", "tpu-v3")
+    assert small["step_seconds"] - base["step_seconds"] == pytest.approx(
+        50 * S.allreduce_seconds(4.0, 1024, "tpu-v3")
+    )
     row = S.predict(c, 64, "async", "tpu-v3")
     assert row["g_chips"] + row["d_chips"] == 64
     with pytest.raises(ValueError, match="scheme"):
