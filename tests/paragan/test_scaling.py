@@ -139,6 +139,14 @@ def test_scaling_command_writes_rows(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_model_reproduces_measured_cpu_processes_within_25_percent():
-    check = S.check_cpu((1, 2, 4), steps=5, rounds=3)
+    import os
+
+    cores = os.cpu_count() or 1
+    if os.getloadavg()[0] > cores:
+        pytest.skip(
+            f"load average {os.getloadavg()[0]:.1f} exceeds {cores} cores: other jobs would "
+            "time-slice the processes at every collective, which the model does not describe"
+        )
+    check = S.check_cpu((1, 2, 4), steps=5, rounds=4)
     for row in check["rows"]:
         assert abs(row["error"]) <= 0.25, row
