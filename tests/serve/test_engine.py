@@ -109,7 +109,7 @@ def test_forced_preemption_keeps_greedy_outputs(model, mode):
 
 
 @settings(
-    max_examples=3,
+    max_examples=2,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
