@@ -214,7 +214,9 @@ class PredictivePolicy(VictimPolicy):
         self.log.maybe_record(req.request_id, req.num_prompt_tokens, req.num_output_tokens)
 
     def on_tokens(self, req: Request, now: float) -> None:
-        self.log.maybe_record(req.request_id, req.num_prompt_tokens, req.num_output_tokens)
+        n = len(req.output_token_ids)
+        if n % self.log.record_every == 0:  # cheap test first: this runs for every token
+            self.log.maybe_record(req.request_id, req.num_prompt_tokens, n)
 
     def on_finished(self, req: Request, now: float) -> None:
         if req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
