@@ -44,15 +44,20 @@ __all__ = [
 ]
 
 
+def _sqrtm(m: np.ndarray) -> np.ndarray:
+    out = linalg.sqrtm(m)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
     """Frechet distance between Gaussians fitted to two feature sets ``(n, d)``."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     mu1, mu2 = a.mean(0), b.mean(0)
     s1, s2 = np.atleast_2d(np.cov(a, rowvar=False)), np.atleast_2d(np.cov(b, rowvar=False))
-    covmean, _ = linalg.sqrtm(s1 @ s2, disp=False)
+    covmean = _sqrtm(s1 @ s2)
     if not np.isfinite(covmean).all():
         eps = 1e-6 * np.eye(s1.shape[0])
-        covmean = linalg.sqrtm((s1 + eps) @ (s2 + eps))
+        covmean = _sqrtm((s1 + eps) @ (s2 + eps))
     covmean = np.real(covmean)
     return float(np.sum((mu1 - mu2) ** 2) + np.trace(s1) + np.trace(s2) - 2 * np.trace(covmean))
 

@@ -52,6 +52,7 @@ def test_sharded_sync_step_equals_one_device():
     assert eight.state.g_params["linear"]["kernel"].sharding.mesh.size == 8
 
 
+@pytest.mark.slow
 def test_fsdp_places_params_over_data_axis():
     cfg = load_train_config("tiny", [*RING, "sharding.params=fsdp", "model.g_width=64"])
     ds = load_dataset(cfg)
@@ -62,6 +63,7 @@ def test_fsdp_places_params_over_data_axis():
     assert np.isfinite(_run(runner, ds, cfg, 1)["g_loss"])
 
 
+@pytest.mark.slow
 def test_async_k0_equals_sync():
     over = [*RING, *SMOOTH_ADAM, "n_disc=2"]
     cfg = load_train_config("tiny", over)
