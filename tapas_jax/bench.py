@@ -140,6 +140,9 @@ def main(argv: list[str]) -> int:
         help="batch: the data axis only splits the batch (the planner's default); full: every "
         "mesh axis may split any dimension (Alpa's space)",
     )
+    p.add_argument(
+        "--no-warmup", action="store_true", help="skip the untimed warm-up row (for tests)"
+    )
     p.add_argument("--json", default="bench.json")
     args = p.parse_args(argv[1:])
     from .mesh import parse_mesh_spec
@@ -159,7 +162,8 @@ def main(argv: list[str]) -> int:
     }
     # Warm up imports and caches once (untimed) so the first row is not charged for them.
     batch_axis = "data" if args.space == "batch" else None
-    bench_row(min(depths), dims, mesh_axes, args.hardware, args.time_limit, batch_axis)
+    if not args.no_warmup:
+        bench_row(min(depths), dims, mesh_axes, args.hardware, args.time_limit, batch_axis)
     rows = []
     head = (
         f"{'layers':>6} {'tapas s':>8} {'ILP s':>8} {'speedup':>8} {'tapas cpu':>9} "

@@ -73,7 +73,7 @@ def test_folded_search_matches_ilp_optimum_on_gpt():
 def test_bench_command_writes_rows_and_plot(tmp_path):
     out = tmp_path / "bench.json"
     flags = ["--d-model", "64", "--heads", "4", "--seq-len", "16", "--batch", "4", "--vocab", "128"]
-    assert bench.main(["bench", "--layers", "2", *flags, "--json", str(out)]) == 0
+    assert bench.main(["bench", "--layers", "2", "--no-warmup", *flags, "--json", str(out)]) == 0
     row = json.loads(out.read_text())["rows"][0]
     keys = {"layers", "tapas_seconds", "ilp_seconds", "tapas_cost", "ilp_cost", "megatron_cost"}
     assert keys <= set(row)
