@@ -222,10 +222,68 @@ def param_shardings(abstract: Any, mesh: Mesh, mode: str) -> Any:
         return jax.tree.map(lambda a: NamedSharding(mesh, _fsdp_spec(a.shape, n)), abstract)
     if mode == "plan":
         raise ConfigError(
-            "sharding.params='plan' needs tapas_jax.plan (tensor-parallel placement), which this "
-            "tree does not provide yet; use 'replicated' or 'fsdp'"
+            "sharding.params='plan' is resolved by plan_shardings (it needs the models), not "
+            "per pytree"
         )
     raise ConfigError(f"sharding.params={mode!r}: expected 'replicated', 'fsdp' or 'plan'")
+
+
+def _like_params(opt_abstract: Any, params_abstract: Any, param_sh: Any, mesh: Mesh) -> Any:
+    """Optimizer-state shardings: subtrees shaped like the params get the params' shardings."""
+    p_struct = jax.tree.structure(params_abstract)
+    rep = NamedSharding(mesh, P())
+
+    def is_params(node):
+        try:
+            return jax.tree.structure(node) == p_struct
+        except Exception:
+            return False
+
+    return jax.tree.map(
+        lambda n: param_sh if is_params(n) else rep, opt_abstract, is_leaf=is_params
+    )
+
+
+def plan_shardings(
+    config: TrainConfig, mesh: Mesh, abstract: TrainState, g_def: Any, d_def: Any
+) -> dict[str, Any]:
+    """Param shardings of G and D from `tapas_jax.plan` (tensor parallel over ``model``).
+
+    Each network's training-mode forward on one abstract batch is planned (batch over ``data``);
+    the EMA follows G's plan and Adam's moments follow their params. BN statistics and
+    spectral-norm vectors stay replicated.
+    """
+    from tapas_jax.plan import plan as tapas_plan
+
+    m, b = config.model, config.data.batch_size
+    z = jax.ShapeDtypeStruct((b, m.z_dim), jnp.float32)
+    y = jax.ShapeDtypeStruct((b,), jnp.int32)
+    g_stats, d_stats = abstract.g_stats, abstract.d_stats
+
+    def g_forward(tree, z, y):  # stats ride along as inputs: planned, then kept replicated
+        return nnx.merge(g_def, tree[0], tree[1], copy=True)(z, y, train=True)
+
+    x_shape = (b, 2) if m.arch == "mlp" else (b, m.resolution, m.resolution, m.channels)
+    x = jax.ShapeDtypeStruct(x_shape, jnp.float32)
+
+    def d_forward(tree, x, y):
+        return nnx.merge(d_def, tree[0], tree[1], copy=True)(x, y, False)
+
+    out = {}
+    for name, fn, params, inputs in (
+        ("g_params", g_forward, (abstract.g_params, g_stats), (z, y)),
+        ("d_params", d_forward, (abstract.d_params, d_stats), (x, y)),
+    ):
+        p = tapas_plan(fn, params, *inputs, mesh=mesh, optimizer_state_factor=2.0)
+        specs = p.param_specs[0]
+        out[name] = jax.tree.map(
+            lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P)
+        )
+        log.info("tapas_jax plan for %s: %s", name, p.predicted)
+    out["ema_params"] = out["g_params"]
+    out["g_opt"] = _like_params(abstract.g_opt, abstract.g_params, out["g_params"], mesh)
+    out["d_opt"] = _like_params(abstract.d_opt, abstract.d_params, out["d_params"], mesh)
+    return out
 
 
 def _init_fn(config: TrainConfig, tx_g, tx_d) -> Callable[[], TrainState]:
@@ -283,16 +341,19 @@ def make_train_state(
     abstract = jax.eval_shape(init)
     mode = config.sharding.params
     rep = NamedSharding(mesh, P())
+    if mode == "plan":
+        planned = plan_shardings(config, mesh, abstract, g_def, d_def)
+    else:
+        planned = {
+            k: param_shardings(getattr(abstract, k), mesh, mode)
+            for k in ("g_params", "d_params", "ema_params", "g_opt", "d_opt")
+        }
     shardings = TrainState(
         step=rep,
         rng=rep,
-        g_params=param_shardings(abstract.g_params, mesh, mode),
         g_stats=param_shardings(abstract.g_stats, mesh, "replicated"),
-        d_params=param_shardings(abstract.d_params, mesh, mode),
         d_stats=param_shardings(abstract.d_stats, mesh, "replicated"),
-        ema_params=param_shardings(abstract.ema_params, mesh, mode),
-        g_opt=param_shardings(abstract.g_opt, mesh, mode),
-        d_opt=param_shardings(abstract.d_opt, mesh, mode),
+        **planned,
     )
     with jax.set_mesh(mesh):
         state = jax.jit(init, out_shardings=shardings)()

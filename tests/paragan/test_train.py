@@ -139,3 +139,14 @@ def test_corrupted_latest_checkpoint_falls_back(tmp_path):
     assert (ckpt / "corrupt-4").is_dir()
     # Training continues from step 2 and can save step 4 again.
     assert t.train()["step"] == 4 and (ckpt / "4").is_dir()
+
+
+@pytest.mark.slow
+def test_plan_placement_on_a_model_axis():
+    cfg = load_train_config("tiny", ["sharding.params=plan", "model.g_width=8"])
+    ds = load_dataset(cfg)
+    mesh = make_mesh("data=2,model=4")
+    runner = SyncRunner(cfg, mesh, ds.images.shape[1:])
+    for leaf in jax.tree.leaves(runner.state.g_opt) + jax.tree.leaves(runner.state.d_params):
+        assert leaf.sharding.mesh.shape == mesh.shape
+    assert np.isfinite(_run(runner, ds, cfg, 1)["d_loss"])
