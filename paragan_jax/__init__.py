@@ -6,7 +6,8 @@ devices before jax is imported, and ``import paragan_jax`` stays cheap:
 - `TrainConfig`, `load_train_config` (`paragan_jax.config`);
 - `Trainer` (`paragan_jax.train`): ``Trainer(config, workdir).train()``;
 - `build_models` (`paragan_jax.models`), `make_train_state`, `make_sync_step`
-  (`paragan_jax.train`), `make_async_trainer` (`paragan_jax.async_scheme`).
+  (`paragan_jax.train`); the async scheme is `paragan_jax.async_scheme.AsyncRunner` (one
+  process) and `paragan_jax.distributed.run_two_process_async` (two processes).
 """
 
 import importlib
