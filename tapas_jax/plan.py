@@ -363,6 +363,12 @@ def cost_with_param_specs(lowered: Lowered, specs: Callable[[str, int], Any]) ->
     prob = lowered.problem
     g = lowered.graph
     compute = [c.copy() for c in prob.compute]
+    # An excluded strategy costs more than any whole plan (kept finite for the ILP fallback).
+    penalty = 10.0 * (
+        1.0
+        + sum(float(prob.unary(n).max()) for n in range(len(prob.sizes)))
+        + sum(float(t.max()) for t in prob.edges.values())
+    )
     for v, path, a in zip(g.inputs, g.input_paths, g.input_args):
         if a != 0 or int(lowered.folding.rep_var[v]) != v:
             continue
@@ -374,6 +380,6 @@ def cost_with_param_specs(lowered: Lowered, specs: Callable[[str, int], Any]) ->
         if want not in uniq:
             continue
         n = lowered.owner[v]
-        compute[n] = np.where(idx == uniq.index(want), compute[n], 1e9)  # excluded
+        compute[n] = np.where(idx == uniq.index(want), compute[n], penalty)
     fixed = dataclasses.replace(prob, compute=compute)
     return solve(fixed).objective
