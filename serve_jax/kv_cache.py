@@ -63,7 +63,7 @@ class PagedKVView:
         self.k_pool = self.k_pool.at[layer, page, slot].set(k.astype(dt), mode="drop")
         self.v_pool = self.v_pool.at[layer, page, slot].set(v.astype(dt), mode="drop")
         return paged_attention(
-            q, self.k_pool[layer], self.v_pool[layer], self.block_tables, self.positions
+            q, self.k_pool, self.v_pool, self.block_tables, self.positions, layer=layer
         )
 
 
