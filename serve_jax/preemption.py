@@ -156,6 +156,8 @@ class PredictivePolicy(VictimPolicy):
       allow_offload: consider offload (else recompute only).
       gate: gate admission (False leaves only victim selection, for ablations).
       record_every: predictions are logged for error reports every this many tokens.
+      cheap_preemption_steps: admit past the gate a request whose later recompute would cost at
+        most this many decode steps (0: never; a cost-aware gate for cheap-recompute regimes).
     """
 
     name = "predictive"
@@ -170,11 +172,15 @@ class PredictivePolicy(VictimPolicy):
         allow_offload: bool = True,
         gate: bool = True,
         record_every: int = 64,
+        cheap_preemption_steps: float = 0.0,
     ):
         if not 0.0 < gate_quantile < 1.0:
             raise ValueError(f"gate_quantile must be in (0, 1), got {gate_quantile}")
         if not 0.0 <= headroom < 1.0:
             raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+        if cheap_preemption_steps < 0:
+            raise ValueError(f"cheap_preemption_steps must be >= 0, got {cheap_preemption_steps}")
+        self.cheap_preemption_steps = cheap_preemption_steps
         if refresh_tokens < 1:
             raise ValueError(f"refresh_tokens must be >= 1, got {refresh_tokens}")
         self.predictor = predictor or RemainingLengthPredictor()
@@ -308,12 +314,27 @@ class PredictivePolicy(VictimPolicy):
             _, q = self.remaining(req)
             trial = items + [(float(req.num_tokens + bs), q)]
             if items and predicted_peak_tokens(trial) > capacity:
-                break
+                if not self._cheap_to_preempt(sched, req, q, items):
+                    break
             items = trial
             allowed += 1
             if len(items) >= sched.max_num_seqs:
                 break
         return allowed
+
+    def _cheap_to_preempt(self, sched: Scheduler, req: Request, q: float, items) -> bool:
+        """Whether preempting ``req`` later would cost at most ``cheap_preemption_steps`` steps.
+
+        The cost is recomputing the context it would hold at its predicted end; where that is
+        about a step (tiny contexts, fixed-cost steps), a gate that shrinks batches to avoid it
+        costs more throughput than the preemption it avoids.
+        """
+        if self.cheap_preemption_steps <= 0:
+            return False
+        ctx = int(req.num_tokens + q)
+        held = int(sum(c for c, _ in items))
+        step = sched.costs.decode_seconds(len(items) + 1, held + req.num_tokens)
+        return sched.costs.prefill_seconds(ctx) <= self.cheap_preemption_steps * step
 
 
 def _chain(*queues):

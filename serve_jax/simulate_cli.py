@@ -15,6 +15,7 @@ to it with the TPOT CDF of each policy and its cumulative preemptions over time.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 from pathlib import Path
@@ -71,6 +72,13 @@ def build_parser(prog: str = "simulate") -> argparse.ArgumentParser:
         help="predictive: quantile of the remaining length its admission gate uses (default 0.7)",
     )
     p.add_argument(
+        "--cheap-preemption-steps",
+        type=float,
+        default=None,
+        help="predictive: admit past the gate when a later recompute would cost at most this "
+        "many decode steps (default 0: never)",
+    )
+    p.add_argument(
         "--token-scale", type=float, default=1.0, help="multiply prompt and output lengths"
     )
     p.add_argument(
@@ -90,6 +98,17 @@ def build_parser(prog: str = "simulate") -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the rows here (and a PNG next to it)")
     p.add_argument("--png", default=None, help="PNG path (default: the JSON path with .png)")
     return p
+
+
+def _make_policy(name: str, args: argparse.Namespace):
+    """A fresh policy, with the predictive options of the command line."""
+    kw: dict[str, Any] = {}
+    if name.startswith("predictive"):
+        if args.gate_quantile is not None:
+            kw["gate_quantile"] = args.gate_quantile
+        if args.cheap_preemption_steps is not None:
+            kw["cheap_preemption_steps"] = args.cheap_preemption_steps
+    return get_policy(name, **kw)
 
 
 def _fmt(x: Any) -> str:
@@ -217,10 +236,7 @@ def main(argv: list[str]) -> int:
         return _engine_mode(args, workload, policies)
     results = []
     for name in policies:
-        policy = name
-        if args.gate_quantile is not None and name.startswith("predictive"):
-            policy = get_policy(name, gate_quantile=args.gate_quantile)
-        res = simulate(workload, policy, config)
+        res = simulate(workload, _make_policy(name, args), config)
         results.append(res)
     _print_table(results)
     ratios = _ratios(results)
@@ -284,8 +300,15 @@ def _engine_mode(args: argparse.Namespace, workload, policies: list[str]) -> int
     replay_on_engine(cfg, workload.head(min(4, len(workload.requests))), "fcfs_last")
     rows = []
     for name in policies:
-        real = replay_on_engine(cfg, workload, name, seed=args.seed)
-        sim = simulate(workload, name, sim_cfg, step_times=real.step_seconds)
+        real = replay_on_engine(cfg, workload, _make_policy(name, args), seed=args.seed)
+        sim = simulate(
+            workload,
+            _make_policy(name, args),
+            sim_cfg,
+            step_times=real.step_seconds,
+            costs=copy.deepcopy(real.initial_costs),
+            cost_observations=real.cost_observations,
+        )
         sim_events = sorted((t, rid) for _, t, rid, _ in sim.preemption_log)
         lat, _ = latency_summary(real.requests)
         makespan = max(r.finish_time or 0.0 for r in real.requests)

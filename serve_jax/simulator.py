@@ -23,6 +23,7 @@ goodput under SLOs and throughput. Multi-turn workloads are closed-loop: a follo
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import heapq
 import math
@@ -354,6 +355,8 @@ def simulate(
     *,
     step_times: Sequence[float] | None = None,
     on_step: Callable[[int, float, SchedulerOutput], None] | None = None,
+    costs: Any = None,
+    cost_observations: Sequence[tuple] | None = None,
 ) -> SimulationResult:
     """Runs ``workload`` under ``policy`` with the real scheduler and a simulated executor.
 
@@ -363,6 +366,10 @@ def simulate(
       config: model, chip, memory sizes, scheduler limits and metric settings.
       step_times: replay these step durations instead of the roofline (engine agreement).
       on_step: called after every step with (step, now, scheduler output).
+      costs: cost hints the policy sees instead of the roofline (e.g. a copy of the engine's
+        `MeasuredCostHints` as it was before a replay).
+      cost_observations: arguments of ``costs.observe`` after each executed step, replayed in
+        order (the engine fits its cost hints online; this keeps the policy's view identical).
 
     Returns:
       A `SimulationResult`.
@@ -377,11 +384,11 @@ def simulate(
         )
     wall0 = time.perf_counter()
     pol = get_policy(policy) if isinstance(policy, str) else policy
-    costs = config.cost_model()
-    num_blocks = config.num_device_blocks or costs.kv_capacity_blocks(config.kv_memory_gb)
+    roofline = config.cost_model()
+    num_blocks = config.num_device_blocks or roofline.kv_capacity_blocks(config.kv_memory_gb)
     host_blocks = config.num_host_blocks
     if host_blocks is None:
-        host_blocks = int(config.host_memory_gb * 1e9 // costs.block_bytes)
+        host_blocks = int(config.host_memory_gb * 1e9 // roofline.block_bytes)
     sched = GatedScheduler(
         num_device_blocks=num_blocks,
         num_host_blocks=host_blocks,
@@ -389,7 +396,7 @@ def simulate(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         policy=pol,
-        costs=costs,
+        costs=costs if costs is not None else roofline,
         no_admission_after_preemption=config.no_admission_after_preemption,
         max_model_len=config.max_model_len,
     )
@@ -413,7 +420,7 @@ def simulate(
         r.request_id: min(r.output_len, capacity - r.prompt_len) for r in workload.requests
     }
     executor = SimulatedExecutor(
-        costs, output_lens, emit_stop=config.finish_by == "stop_token", step_times=step_times
+        roofline, output_lens, emit_stop=config.finish_by == "stop_token", step_times=step_times
     )
     reqs: dict[str, Request] = {}
     tally = _Tally(num_blocks=num_blocks)
@@ -465,8 +472,10 @@ def simulate(
                 if mode == PreemptMode.RECOMPUTE:
                     tally.wasted += sched.preempted_computed_tokens[rid]
         prev_step_preempted = bool(so.preemptions)
-        tally.bytes_off += len(so.offloads) * costs.block_bytes
-        tally.bytes_res += len(so.restores) * costs.block_bytes
+        tally.bytes_off += len(so.offloads) * roofline.block_bytes
+        tally.bytes_res += len(so.restores) * roofline.block_bytes
+        if cost_observations is not None and cost_observations[step] is not None:
+            costs.observe(*cost_observations[step])
         events = sched.update_from_output(so, res, now)
         for ev in events:
             if not ev.finished:
@@ -596,6 +605,10 @@ class EngineReplay:
     requests: list[Request]
     """The engine's requests (finished)."""
     num_offload_preemptions: int
+    initial_costs: Any = None
+    """A copy of the engine's cost hints before the replay."""
+    cost_observations: list = dataclasses.field(default_factory=list)
+    """Arguments of each ``costs.observe`` the engine made (None where it made none)."""
 
 
 def replay_on_engine(
@@ -631,6 +644,15 @@ def replay_on_engine(
     pol = get_policy(policy) if isinstance(policy, str) else policy
     clock = StepClock()
     engine = Engine(engine_config, policy=pol, clock=clock)
+    initial_costs = copy.deepcopy(engine.costs)
+    observations: list[tuple] = []
+    observe = engine.costs.observe
+
+    def recording_observe(*args: Any) -> None:
+        observations.append(args)
+        observe(*args)
+
+    engine.costs.observe = recording_observe  # record what the engine fits its costs on
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(seed)
     pending = sorted(workload.requests, key=lambda r: r.arrival_time)
@@ -656,6 +678,8 @@ def replay_on_engine(
         dt = time.perf_counter() - t0
         if engine.num_steps == before:
             raise RuntimeError(f"engine made no progress at t={clock.t:.4f}s")
+        if len(observations) != engine.num_steps:
+            observations.append(None)  # the engine had no step time to fit on
         steps.append(dt)
         clock.t += dt
         if len(steps) > max_steps:
@@ -670,7 +694,14 @@ def replay_on_engine(
             r.first_token_time = end_of.get(r.first_token_time, r.first_token_time)
         if r.finish_time is not None:
             r.finish_time = end_of.get(r.finish_time, r.finish_time)
-    return EngineReplay(steps, events, reqs, engine.scheduler.num_offload_preemptions)
+    return EngineReplay(
+        steps,
+        events,
+        reqs,
+        engine.scheduler.num_offload_preemptions,
+        initial_costs,
+        observations,
+    )
 
 
 def simulator_config_for_engine(engine_config: Any, **overrides: Any) -> SimConfig:

@@ -203,3 +203,19 @@ def test_get_policy_names():
     assert get_policy("predictive_nogate").name == "predictive_nogate"
     with pytest.raises(ValueError, match="unknown policy 'lifo'"):
         get_policy("lifo")
+
+
+def test_cost_aware_gate_admits_when_recompute_is_cheap():
+    # Same state as above (two 32-token requests, peak 464 > 320 tokens), but a recompute of the
+    # newcomer's ~232 predicted tokens costs 0.232 ms against a 1 ms+ decode step: admitted.
+    cheap = LinearCostHints(prefill_base=0.0, prefill_per_token=1e-6)
+    dear = LinearCostHints(prefill_base=0.0, prefill_per_token=1e-3)
+    for costs, admitted in ((cheap, ["r0", "r1"]), (dear, ["r0"])):
+        s = GatedScheduler(num_device_blocks=20, block_size=BS, max_num_batched_tokens=64,
+                           policy=trained_policy(200, cheap_preemption_steps=1.0),
+                           costs=costs)  # fmt: skip
+        for i in range(2):
+            s.add_request(Request(f"r{i}", [1] * 32, max_tokens=250, arrival_time=0.0))
+        assert [c.request_id for c in _step(s, 0.0).prefills] == admitted
+    with pytest.raises(ValueError, match="cheap_preemption_steps"):
+        PredictivePolicy(cheap_preemption_steps=-1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -28,7 +30,14 @@ def test_same_preemption_sequence_as_the_engine(policy):
     wl = small_trace()
     real = replay_on_engine(cfg, wl, policy)
     assert all(r.num_output_tokens == s.output_len for r, s in zip(real.requests, wl.requests))
-    sim = simulate(wl, policy, simulator_config_for_engine(cfg), step_times=real.step_seconds)
+    sim = simulate(
+        wl,
+        policy,
+        simulator_config_for_engine(cfg),
+        step_times=real.step_seconds,
+        costs=copy.deepcopy(real.initial_costs),
+        cost_observations=real.cost_observations,
+    )
     assert sim.completed == len(wl.requests)
     assert sim.steps == len(real.step_seconds)
     sim_events = sorted((t, rid) for _, t, rid, _ in sim.preemption_log)
