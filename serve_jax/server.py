@@ -55,9 +55,16 @@ class EngineLoop:
         self.num_step_errors = 0
 
     def start(self) -> None:
+        """Starts the engine thread."""
         self._thread.start()
 
+    @property
+    def is_alive(self) -> bool:
+        """Whether the engine thread is running."""
+        return self._thread.is_alive()
+
     def stop(self) -> None:
+        """Stops the engine thread (requests still running get no more tokens)."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
@@ -148,8 +155,8 @@ class EngineLoop:
         self._rate_window.append((now, n))
         while self._rate_window and self._rate_window[0][0] < now - 5.0:
             self._rate_window.popleft()
-        span = max(now - self._rate_window[0][0], 1e-3)
-        self.tokens_per_second = sum(c for _, c in self._rate_window) / span if n or span else 0
+        span = max(now - self._rate_window[0][0], 1.0)  # at least 1 s: no spikes at start
+        self.tokens_per_second = sum(c for _, c in self._rate_window) / span
 
 
 # ---- request bodies ---------------------------------------------------------------------
@@ -236,7 +243,7 @@ def build_app(loop: EngineLoop, config: EngineConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not loop._thread.is_alive():
+        if not loop.is_alive:
             return _error(503, "engine loop is not running", None, "server_error")
         return {"status": "ok"}
 
