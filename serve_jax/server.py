@@ -96,8 +96,11 @@ class EngineLoop:
 
         try:
             await asyncio.wrap_future(self._call(add))
-        except BaseException:
+        except ValueError:
             self._streams.pop(rid, None)
+            raise
+        except BaseException:  # cancelled (client gone): the add may still run, so abort it
+            self.abort(rid)
             raise
         return rid, queue
 
