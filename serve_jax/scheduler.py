@@ -503,9 +503,7 @@ class Scheduler:
                 n = min(req.num_tokens - req.num_computed_tokens, b)
                 if n <= 0:
                     continue
-                extra = self.blocks.extra_blocks_needed(
-                    req.request_id, req.num_computed_tokens + n
-                )
+                extra = self.blocks.extra_blocks_needed(req.request_id, req.num_computed_tokens + n)
                 plan.append((req, n, extra))
                 need += extra
                 b -= n
@@ -578,9 +576,7 @@ class Scheduler:
             budget -= n
 
         for chunk in out.chunks:
-            out.block_tables[chunk.request_id] = list(
-                self.blocks.device_table(chunk.request_id)
-            )
+            out.block_tables[chunk.request_id] = list(self.blocks.device_table(chunk.request_id))
         self.step_count += 1
         return out
 
@@ -631,9 +627,7 @@ class Scheduler:
             if r.status != RequestStatus.RUNNING:
                 raise AssertionError(f"{r.request_id!r} in running with status {r.status}")
         for r in self.offloaded:
-            if r.request_id in self.blocks.device_tables and self.blocks.device_table(
-                r.request_id
-            ):
+            if r.request_id in self.blocks.device_tables and self.blocks.device_table(r.request_id):
                 raise AssertionError(f"offloaded {r.request_id!r} still holds device blocks")
         for r in self.waiting:
             if self.blocks.device_table(r.request_id):
