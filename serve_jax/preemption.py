@@ -387,29 +387,39 @@ class GatedScheduler(Scheduler):
     def schedule(self, now: float):
         """`Scheduler.schedule` with the queues cut to what the policy admits."""
         limit = self.policy.admission_limit(self) if self._gating else None
-        hidden_off: list[Request] = []
-        hidden_wait: list[Request] = []
+        # The hidden tails stay in the original deques (no copy of a long queue per step); the
+        # visible heads are moved to fresh deques for the step and put back in front after it.
+        hidden_off: deque[Request] | None = None
+        hidden_wait: deque[Request] | None = None
         if limit is not None:
-            limit = int(limit)
+            limit = max(int(limit), 0)
             n_off = len(self.offloaded)
             if limit < n_off:
-                hidden_off = list(self.offloaded)[limit:]
-                self.offloaded = deque(list(self.offloaded)[:limit])
-                hidden_wait = list(self.waiting)
-                self.waiting = deque()
+                hidden_off, self.offloaded = self.offloaded, _pop_head(self.offloaded, limit)
+                hidden_wait, self.waiting = self.waiting, deque()
             elif limit < n_off + len(self.waiting):
-                keep = limit - n_off
-                hidden_wait = list(self.waiting)[keep:]
-                self.waiting = deque(list(self.waiting)[:keep])
+                hidden_wait, self.waiting = self.waiting, _pop_head(self.waiting, limit - n_off)
         self._held_waiting, self._held_offloaded = [], []
         try:
             out = super().schedule(now)
         finally:
-            self.offloaded.extend(hidden_off)
+            front_wait = self._held_waiting + list(self.waiting)
+            if hidden_wait is not None:
+                hidden_wait.extendleft(reversed(front_wait))
+                self.waiting = hidden_wait
+            elif self._held_waiting:
+                self.waiting = deque(front_wait)
+            if hidden_off is not None:
+                hidden_off.extendleft(reversed(self.offloaded))
+                self.offloaded = hidden_off
             self.offloaded.extend(self._held_offloaded)
-            self.waiting = deque(self._held_waiting + list(self.waiting) + hidden_wait)
             self._held_waiting, self._held_offloaded = [], []
         return out
+
+
+def _pop_head(q: deque[Request], n: int) -> deque[Request]:
+    """Removes the first ``n`` items of ``q`` and returns them as a new deque."""
+    return deque(q.popleft() for _ in range(min(n, len(q))))
 
 
 def get_policy(name: str, **kwargs: Any) -> VictimPolicy:
