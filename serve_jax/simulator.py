@@ -19,6 +19,12 @@ within ``cascade_window_s`` of being resumed; steps with preemptions right after
 preemptions), recomputed tokens wasted, bytes offloaded and restored, TTFT/TPOT/E2EL statistics,
 goodput under SLOs and throughput. Multi-turn workloads are closed-loop: a follow-up turn arrives
 ``think_time`` after its parent finishes.
+
+Checking against the real engine: `replay_on_engine` runs a workload on `serve_jax.engine.Engine`
+with a `StepClock` (one time per step, advanced by the step's measured wall time) and records the
+engine's step times, preemptions and online cost-hint fits; `simulate` given those step times and
+fits (``step_times``, ``costs``, ``cost_observations``) must produce the same preemption sequence.
+With offload the engine's copies land asynchronously, which the step-time replay does not model.
 """
 
 from __future__ import annotations
