@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from pathlib import Path
 
 import jax
@@ -45,7 +46,9 @@ __all__ = [
 
 
 def _sqrtm(m: np.ndarray) -> np.ndarray:
-    out = linalg.sqrtm(m)
+    with warnings.catch_warnings():  # dead ReLU features make covariances singular; harmless
+        warnings.simplefilter("ignore", linalg.LinAlgWarning)
+        out = linalg.sqrtm(m)
     return out[0] if isinstance(out, tuple) else out
 
 
