@@ -36,8 +36,8 @@ sync step with no communication and no jitter.
 `check_cpu` validates the composition on this machine: N = 1, 2, 4 processes (one CPU device
 each, gloo collectives, via `paragan_jax.distributed.launch`) run the real sync step data-parallel;
 the prediction uses the 1-process step time and jitter, an alpha-beta fit of a separately measured
-gloo all-reduce, and a host-contention factor ``max(1, N / cores)`` (processes share the cores;
-on a TPU each chip computes on its own).
+chain of gloo all-reduces, the collectives XLA compiled into the step, and a host-contention
+factor ``max(1, N / cores)`` (processes share the cores; on a TPU each chip computes on its own).
 """
 
 from __future__ import annotations
@@ -533,20 +533,34 @@ def _worker(argv: list[str]) -> int:
     barrier("allreduce")
     if sizes and args.num_processes >= 2 and pid < 2:
         mesh2 = make_mesh("data=2", devices=devices[:2])
-        coll = {}
+        sharded = NamedSharding(mesh2, P("data"))
+        chain = 10
+
+        def chained(x):
+            # `chain` dependent all-reduces in one program: what a collective costs inside a
+            # step (after the previous op, both processes must meet), not as a lone program.
+            for _ in range(chain):
+                y = jnp.sum(x, axis=0)
+                x = jax.lax.with_sharding_constraint(jnp.stack([y, y]) * 0.5, sharded)
+            return x
+
+        coll, coll_chain = {}, {}
         for size in sizes:
             x = jax.make_array_from_process_local_data(
-                NamedSharding(mesh2, P("data")), np.ones((1, max(1, size // 4)), np.float32)
+                sharded, np.ones((1, max(1, size // 4)), np.float32)
             )
             f = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=NamedSharding(mesh2, P()))
-            jax.block_until_ready(f(x))
-            ts = []
-            for _ in range(15):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(x))
-                ts.append(time.perf_counter() - t0)
-            coll[str(size)] = float(np.median(ts))
+            g = jax.jit(chained)
+            for fn, store, per in ((f, coll, 1), (g, coll_chain, chain)):
+                jax.block_until_ready(fn(x))
+                ts = []
+                for _ in range(15):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fn(x))
+                    ts.append(time.perf_counter() - t0)
+                store[str(size)] = float(np.median(ts)) / per
         out["allreduce_s"] = coll
+        out["allreduce_chain_s"] = coll_chain
     barrier("done")
     if pid == 0:
         print("RESULT " + json.dumps(out), flush=True)
@@ -634,9 +648,10 @@ def check_cpu(
 
     The prediction takes the 1-process step time (the step's FLOPs at this CPU's achieved
     rate) and its jitter, the collectives XLA compiled into the n-process step, and gloo's
-    alpha and beta fitted to a bare 2-process all-reduce; it composes them with the same terms
-    as `predict`: compute x host contention ``max(1, n / cores)`` + collectives priced by
-    `tapas_jax.collectives.collective_seconds` + expected-max jitter.
+    alpha and beta fitted to a chain of dependent 2-process all-reduces in one program; it
+    composes them with the same terms as `predict`: compute x host contention
+    ``max(1, n / cores)`` + collectives priced by `tapas_jax.collectives.collective_seconds` +
+    expected-max jitter.
     """
     import numpy as np
 
@@ -644,7 +659,7 @@ def check_cpu(
     load_before = os.getloadavg()[0]
     res = _run_processes(processes, steps, rounds, batch)
     load_after = os.getloadavg()[0]
-    alpha, bw = fit_alpha_beta({int(k): v for k, v in res["allreduce_s"].items()}, 2)
+    alpha, bw = fit_alpha_beta({int(k): v for k, v in res["allreduce_chain_s"].items()}, 2)
     hw = dataclasses.replace(
         get_profile("cpu"),
         name="cpu-gloo-fit",
@@ -693,6 +708,7 @@ def check_cpu(
         "step_flops": costs.sync_flops,
         "achieved_flops_per_s": costs.sync_flops / float(t1),
         "allreduce_measured_s": res["allreduce_s"],
+        "allreduce_in_program_s": res["allreduce_chain_s"],
         "step_times": res["step_times"],
     }
 
