@@ -425,8 +425,8 @@ def bench(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args(argv)
     cases = [
-        ("dcgan stem 3->64 s2, 32x32", 32, 64, 2),
-        ("biggan stem 3->128 s1, 64x64", 64, 128, 1),
+        ("dcgan stem 3->64 s2, 32x32", args.batch, 32, 64, 2),
+        ("biggan stem 3->128 s1, 64x64", max(1, args.batch // 4), 64, 128, 1),
     ]
     out = []
     for title, batch, size, cout, stride in cases:

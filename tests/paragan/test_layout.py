@@ -110,3 +110,16 @@ def test_space_to_depth_lowers_padding_waste_on_the_tpu_tile_model():
     assert s2d2["waste"] < nhwc2["waste"] and s2d2["tiled_bytes"] < nhwc2["tiled_bytes"]
     cpu = L.padding_waste(L.conv_nhwc, x, w, tile="cpu")
     assert cpu["waste"] == 0.0
+
+
+def test_layout_benchmark_command(tmp_path):
+    import json
+
+    out = tmp_path / "layout.json"
+    assert L.bench(["--batch", "4", "--reps", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 12
+    for case in {r["case"] for r in rows}:
+        f32 = {r["layout"]: r for r in rows if r["case"] == case and r["dtype"] == "float32"}
+        assert f32["NHWC+s2d"]["tpu_waste"] < f32["NHWC"]["tpu_waste"]
+        assert f32["NHWC+s2d"]["grad_max_rel_err"] < 1e-4
