@@ -231,3 +231,34 @@ def test_trainer_factory_serves_the_trainers_exact_batches_and_resumes():
             np.testing.assert_array_equal(got["image"], want["image"])
             np.testing.assert_array_equal(got["label"], want["label"])
         it.close()
+
+
+def test_bench_pipeline_command_writes_the_issue_keys(tmp_path):
+    import json
+
+    from paragan_jax.scale_cli import main
+
+    out = tmp_path / "pipeline.json"
+    argv = [
+        "bench-pipeline",
+        "--steps",
+        "10",
+        "--rounds",
+        "1",
+        "--warmup",
+        "2",
+        "--examples",
+        "256",
+        "--step-ms",
+        "10",
+        "--resolution",
+        "8",
+        "--json",
+        str(out),
+    ]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    for key in ("clean_fixed", "clean_adaptive", "congested_fixed", "congested_adaptive"):
+        assert data[key] > 0
+    assert 0 < data["peak_buffer_bytes"] <= data["memory_cap_bytes"]
+    assert "EMULATED" in data["storage"]
