@@ -57,6 +57,9 @@ class Eqn:
     """Unused by the flattener (scan bodies are inlined); kept for hand-built graphs."""
     weight: float = 1.0
     """How many times the equation runs per call (``length`` inside a scan body)."""
+    src: tuple[int, ...] | None = None
+    """Position in the traced program (equation indices through inlined calls); None inside a
+    scan body or for boundary equations. `tapas_jax.plan` pins results by it."""
     operand_weights: list[float] | None = None
     """Per-operand multiplier of `weight` for reads (a scan carry's back edge runs length-1
     times); None means 1 for every operand."""
@@ -218,7 +221,7 @@ class _Builder:
         self.scans.append(length)
         outer_weight = self.weight
         self.weight = outer_weight * length
-        self.flatten(inner, sub_env, eqns)
+        self.flatten(inner, sub_env, eqns, None)
         self.weight = outer_weight
         body_outs = []
         for iv in inner.outvars:
@@ -241,15 +244,20 @@ class _Builder:
         self.dtypes.append(np.dtype(aval.dtype))
         return len(self.shapes) - 1
 
-    def flatten(self, jaxpr, env: dict, eqns: list[Eqn]) -> None:
-        """Appends the equations of `jaxpr` to `eqns`; `env` maps jaxpr vars to ids/literals."""
+    def flatten(self, jaxpr, env: dict, eqns: list[Eqn], prefix: tuple | None = ()) -> None:
+        """Appends the equations of `jaxpr` to `eqns`; `env` maps jaxpr vars to ids/literals.
+
+        `prefix` is the position of `jaxpr` in the traced program (None inside a scan body):
+        each equation records ``prefix + (its index,)`` as `Eqn.src`.
+        """
 
         def read(x):
             if isinstance(x, jcore.Literal):
                 return None, x.val
             return env[x], None
 
-        for eqn in jaxpr.eqns:
+        for j, eqn in enumerate(jaxpr.eqns):
+            path = None if prefix is None else (*prefix, j)
             name = eqn.primitive.name
             body_key = INLINED.get(name, "")
             if body_key:
@@ -269,7 +277,7 @@ class _Builder:
                         self.emit(eqns, Eqn("constant", {"value": lit}, [], [], [nv]))
                         vid = nv
                     sub_env[iv] = vid
-                self.flatten(inner, sub_env, eqns)
+                self.flatten(inner, sub_env, eqns, path)
                 for ov, iv in zip(eqn.outvars, inner.outvars):
                     if isinstance(iv, jcore.Literal):
                         nv = self.new_var(ov.aval)
@@ -292,9 +300,9 @@ class _Builder:
                     isinstance(v, tuple) and v and isinstance(v[0], jcore.ClosedJaxpr)
                 ):
                     params[k] = "<jaxpr>"
-            self.emit(
-                eqns, Eqn(name, params, [i for i, _ in ins], [lit for _, lit in ins], outs, body)
-            )
+            e = Eqn(name, params, [i for i, _ in ins], [lit for _, lit in ins], outs, body)
+            e.src = path
+            self.emit(eqns, e)
 
 
 def _abstract(x):

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import re
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -53,6 +54,10 @@ class Plan:
     fold: dict[str, int]
     search_seconds: float
     method: str = "dp"
+    constraints: dict[str, SpecList] = dataclasses.field(default_factory=dict, repr=False)
+    """Layouts the plan chose for intermediate results (every non-scalar result outside scan
+    bodies), keyed by their position in the traced program; `jit` pins them with sharding
+    constraints so the partitioner follows the plan."""
     mesh: Any = dataclasses.field(default=None, repr=False, compare=False)
     in_treedef: Any = dataclasses.field(default=None, repr=False, compare=False)
     out_treedef: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -111,10 +116,20 @@ class Plan:
         leaves = [NamedSharding(mesh, _pspec(s)) for s in self.output_specs]
         return jax.tree_util.tree_unflatten(self.out_treedef, leaves)
 
-    def jit(self, fn: Callable[..., Any], mesh=None, **jit_kwargs) -> Callable[..., Any]:
-        """``jax.jit(fn)`` with this plan's input and output shardings."""
+    def jit(
+        self, fn: Callable[..., Any], mesh=None, constrain: bool = True, **jit_kwargs
+    ) -> Callable[..., Any]:
+        """``jax.jit(fn)`` with this plan's input and output shardings.
+
+        With ``constrain`` (the default) the intermediate layouts the plan chose are pinned with
+        `jax.lax.with_sharding_constraint`, so the partitioner follows the plan rather than
+        re-deriving its own (the function is re-traced and evaluated equation by equation).
+        """
+        target = fn
+        if constrain and self.constraints:
+            target = _constrained(fn, self.constraints, self._need_mesh(mesh))
         return jax.jit(
-            fn,
+            target,
             in_shardings=self.in_shardings_on(mesh),
             out_shardings=self.out_shardings_on(mesh),
             **jit_kwargs,
@@ -145,6 +160,7 @@ class Plan:
             "fold": self.fold,
             "search_seconds": self.search_seconds,
             "method": self.method,
+            "constraints": self.constraints,
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -175,6 +191,7 @@ class Plan:
             d["fold"],
             d["search_seconds"],
             d.get("method", "dp"),
+            d.get("constraints", {}),
         )
 
     # ------------------------------------------------------------------ table
@@ -209,6 +226,81 @@ class Plan:
             f"peak memory {p['peak_memory_bytes'] / 2**20:.1f} MiB",
         ]
         return "\n".join(lines)
+
+
+def _constrained(fn: Callable[..., Any], constraints: dict[str, SpecList], mesh):
+    """`fn` re-evaluated equation by equation with the planned layouts pinned."""
+    from jax.extend import core as jcore
+
+    from .graph import INLINED
+
+    pinned = {tuple(int(x) for x in k.split("/")): _pspec(v) for k, v in constraints.items()}
+
+    def evaluate(jaxpr, consts, args, prefix):
+        env = {}
+
+        def read(x):
+            return x.val if isinstance(x, jcore.Literal) else env[x]
+
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = c
+        for v, a in zip(jaxpr.invars, args):
+            env[v] = a
+        for j, eqn in enumerate(jaxpr.eqns):
+            path = (*prefix, j)
+            invals = [read(x) for x in eqn.invars]
+            key = INLINED.get(eqn.primitive.name, "")
+            if key:
+                sub = eqn.params[key]
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    outs = evaluate(sub.jaxpr, sub.consts, invals, path)
+                else:
+                    outs = evaluate(sub, (), invals, path)
+            else:
+                params = eqn.primitive.get_bind_params(eqn.params)
+                subfuns = []
+                if isinstance(params, tuple):  # older jax: (subfuns, params)
+                    subfuns, params = params
+                with eqn.ctx.manager:
+                    outs = eqn.primitive.bind(*subfuns, *invals, **params)
+                if not eqn.primitive.multiple_results:
+                    outs = [outs]
+                if path in pinned and len(outs) == 1:
+                    outs = [
+                        jax.lax.with_sharding_constraint(outs[0], NamedSharding(mesh, pinned[path]))
+                    ]
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+        return [read(x) for x in jaxpr.outvars]
+
+    def matches(jaxpr, prefix, found):
+        for j, eqn in enumerate(jaxpr.eqns):
+            path = (*prefix, j)
+            key = INLINED.get(eqn.primitive.name, "")
+            if key:
+                sub = eqn.params[key]
+                matches(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub, path, found)
+            elif path in pinned:
+                ok = len(eqn.outvars) == 1 and len(eqn.outvars[0].aval.shape) == len(pinned[path])
+                found[path] = ok
+        return found
+
+    def wrapped(*args):
+        # Trace on plain shapes, as the planner did: sharded tracers add reshard equations.
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+        closed = jax.make_jaxpr(fn)(*abstract)
+        found = matches(closed.jaxpr, (), {})
+        if len(found) != len(pinned) or not all(found.values()):
+            warnings.warn(
+                "tapas_jax: the function traces differently from the planned one; running it "
+                "without the plan's intermediate sharding constraints",
+                stacklevel=2,
+            )
+            return fn(*args)
+        flat = evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(args), ())
+        return jax.tree.unflatten(jax.tree.structure(jax.eval_shape(fn, *abstract)), flat)
+
+    return wrapped
 
 
 def _fmt(spec: SpecList) -> str:
@@ -256,6 +348,10 @@ def plan_from_lowered(
     for v, path, a in zip(g.inputs, g.input_paths, g.input_args):
         per_arg[a][path] = list(lowered.spec_of(v, choice))
     outputs = [list(lowered.spec_of(v, choice)) if v is not None else [] for v in g.outputs]
+    constraints: dict[str, SpecList] = {}
+    for e in g.eqns:
+        if e.src is not None and len(e.outvars) == 1 and g.shapes[e.outvars[0]]:
+            constraints["/".join(map(str, e.src))] = list(lowered.spec_of(e.outvars[0], choice))
     b = lowered.problem.breakdown(choice)
     by_kind = b["comm_bytes_by_kind"]
     predicted = {
@@ -283,6 +379,7 @@ def plan_from_lowered(
         fold,
         search_seconds,
         method,
+        constraints,
         mesh,
         g.in_treedef,
         g.out_treedef,
