@@ -150,8 +150,9 @@ def _folder(path: str, resolution: int, channels: int) -> Dataset:
     arr = np.stack(images)
     if arr.ndim == 3:
         arr = arr[..., None]
-    return _to_dataset(f"folder:{root.name}", arr, np.asarray(labels), resolution, channels,
-                       max(len(subdirs), 1))
+    return _to_dataset(
+        f"folder:{root.name}", arr, np.asarray(labels), resolution, channels, max(len(subdirs), 1)
+    )
 
 
 def _to_dataset(name, arr, labels, resolution, channels, num_classes) -> Dataset:
@@ -212,8 +213,9 @@ def _npy(path: str, resolution: int, channels: int) -> Dataset:
         images.append(img)
         labels.append(lab)
     lab = np.concatenate(labels).astype(np.int32)
-    return _to_dataset(f"npy:{root.name}", np.concatenate(images), lab, resolution, channels,
-                       int(lab.max()) + 1)
+    return _to_dataset(
+        f"npy:{root.name}", np.concatenate(images), lab, resolution, channels, int(lab.max()) + 1
+    )
 
 
 def load_dataset(config: TrainConfig) -> Dataset:
@@ -262,8 +264,9 @@ class PrefetchLoader(Iterator[Batch]):
       position: index of the next batch `__next__` returns (the checkpointed data position).
     """
 
-    def __init__(self, dataset: Dataset, batch_size: int, seed: int, start: int = 0,
-                 prefetch: int = 2):
+    def __init__(
+        self, dataset: Dataset, batch_size: int, seed: int, start: int = 0, prefetch: int = 2
+    ):
         self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
         self.position = start
         self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))

@@ -139,7 +139,12 @@ class SNEmbed(_SNMixin, nnx.Module):
     """Class embedding with optional spectral norm (the projection discriminator's ``embed``)."""
 
     def __init__(
-        self, num: int, features: int, *, use_sn: bool = True, sn_eps: float = 1e-6,
+        self,
+        num: int,
+        features: int,
+        *,
+        use_sn: bool = True,
+        sn_eps: float = 1e-6,
         rngs: nnx.Rngs,
     ):
         self.use_sn, self.sn_eps = use_sn, sn_eps
@@ -164,15 +169,21 @@ class ConditionalBatchNorm(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.bn = nnx.BatchNorm(
-            features, use_scale=False, use_bias=False, momentum=momentum, epsilon=1e-5,
+            features,
+            use_scale=False,
+            use_bias=False,
+            momentum=momentum,
+            epsilon=1e-5,
             rngs=rngs,
         )
         self.cond_dim = cond_dim
         if cond_dim:
-            self.gain = SNLinear(cond_dim, features, use_sn=use_sn, use_bias=False,
-                                 sn_eps=sn_eps, rngs=rngs)
-            self.shift = SNLinear(cond_dim, features, use_sn=use_sn, use_bias=False,
-                                  sn_eps=sn_eps, rngs=rngs)
+            self.gain = SNLinear(
+                cond_dim, features, use_sn=use_sn, use_bias=False, sn_eps=sn_eps, rngs=rngs
+            )
+            self.shift = SNLinear(
+                cond_dim, features, use_sn=use_sn, use_bias=False, sn_eps=sn_eps, rngs=rngs
+            )
         else:
             self.scale = nnx.Param(jnp.ones((features,)))
             self.offset = nnx.Param(jnp.zeros((features,)))

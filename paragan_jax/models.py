@@ -90,8 +90,9 @@ class GBlock(nnx.Module):
 class DBlock(nnx.Module):
     """BigGAN down block: (ReLU)-conv3-ReLU-conv3-avgpool, plus conv1-avgpool shortcut."""
 
-    def __init__(self, cin: int, cout: int, down: bool, preact: bool, cfg: ModelConfig,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self, cin: int, cout: int, down: bool, preact: bool, cfg: ModelConfig, rngs: nnx.Rngs
+    ):
         sn = dict(use_sn=cfg.spectral_norm, sn_eps=cfg.sn_eps)
         self.down, self.preact = down, preact
         self.conv1 = SNConv(cin, cout, 3, **sn, rngs=rngs)
@@ -134,13 +135,11 @@ class BigGANGenerator(nnx.Module):
             blocks.append(GBlock(chans[i], chans[i + 1], cond_dim, cfg, rngs))
             res *= 2
             attn.append(
-                SelfAttention(chans[i + 1], **sn, rngs=rngs)
-                if cfg.attn_resolution == res else None
+                SelfAttention(chans[i + 1], **sn, rngs=rngs) if cfg.attn_resolution == res else None
             )
         self.blocks = nnx.List(blocks)
         self.attn = nnx.List(attn)
-        self.out_bn = ConditionalBatchNorm(chans[-1], 0, momentum=cfg.bn_momentum, **sn,
-                                           rngs=rngs)
+        self.out_bn = ConditionalBatchNorm(chans[-1], 0, momentum=cfg.bn_momentum, **sn, rngs=rngs)
         self.out_conv = SNConv(chans[-1], cfg.channels, 3, **sn, rngs=rngs)
         self.c0 = chans[0]
 
@@ -175,7 +174,8 @@ class BigGANDiscriminator(nnx.Module):
             res = res // 2 if down else res
             attn.append(
                 SelfAttention(cout, **sn, rngs=rngs)
-                if cfg.attn_resolution == res and down else None
+                if cfg.attn_resolution == res and down
+                else None
             )
             cin = cout
         self.blocks = nnx.List(blocks)
@@ -208,15 +208,17 @@ class DCGANGenerator(nnx.Module):
         )
         cond_dim = cfg.shared_dim if cfg.num_classes else 0
         self.linear = SNLinear(cfg.z_dim, 4 * 4 * chans[0], use_sn=False, rngs=rngs)
-        self.bn0 = ConditionalBatchNorm(chans[0], cond_dim, momentum=cfg.bn_momentum,
-                                        use_sn=False, rngs=rngs)
+        self.bn0 = ConditionalBatchNorm(
+            chans[0], cond_dim, momentum=cfg.bn_momentum, use_sn=False, rngs=rngs
+        )
         self.convs = nnx.List(
             [SNConv(chans[i], chans[i + 1], 3, use_sn=False, rngs=rngs) for i in range(n_up)]
         )
         self.bns = nnx.List(
             [
-                ConditionalBatchNorm(chans[i + 1], cond_dim, momentum=cfg.bn_momentum,
-                                     use_sn=False, rngs=rngs)
+                ConditionalBatchNorm(
+                    chans[i + 1], cond_dim, momentum=cfg.bn_momentum, use_sn=False, rngs=rngs
+                )
                 for i in range(n_up)
             ]
         )
