@@ -7,9 +7,11 @@ and the whole point here is to change them while training runs):
   shares are disjoint and together cover the data set). Within an epoch every example of a host's
   share is fetched exactly once; with ``drop_remainder=False`` the last batch may be short, so no
   example is lost.
-- `InputPipeline.epoch` runs a pool of fetch threads over a window of batches. Examples are
+- `BatchStream` (from `InputPipeline.epoch` or the endless `InputPipeline.batches`) runs a pool
+  of fetch threads over a window of batches, continuing across epoch boundaries. Examples are
   fetched one at a time (``storage.fetch(i)``) so that a slow fetch only delays its own slot; the
-  thread that fills a batch's last slot stacks it. Batches come out in order.
+  thread that fills a batch's last slot stacks it. Batches come out in order; ``position`` is the
+  ``(epoch, batch)`` to resume from.
 - The window is ``prefetch_depth`` batches ahead of the consumer, and every batch that has started
   reserves its full size against ``memory_cap_bytes``: buffered bytes (batches being filled plus
   ready ones) never exceed the cap.
@@ -18,15 +20,21 @@ and the whole point here is to change them while training runs):
   ``control_interval`` steps sets the number of active workers and the prefetch depth:
 
   * starving (input wait above ``wait_high`` of the interval): additive increase of workers,
-    jumping straight to the Little's-law concurrency ``rate x latency`` when that is higher, and
-    depth grown to hold those fetches plus a spare batch;
-    no increase of workers past twice that need (the wait then has another cause);
+    jumping straight to the Little's-law concurrency ``rate x latency x headroom`` when that is
+    higher (latency of the interval's own fetches, so a congestion onset is seen within one
+    interval), and depth grown to hold those fetches plus a spare batch; no increase of workers
+    past twice that need (the wait then has another cause);
   * comfortable (wait below ``wait_low`` with the buffer full, or workers above twice the
     Little's-law need): multiplicative decrease of workers, never below the need x headroom;
     depth one lower whenever the consumer keeps finding the window full, but never below
     what holds the Little's-law concurrency plus one ready batch.
 
   A fixed pipeline is the same machinery with ``adaptive=False``.
+
+The controller's wait signal assumes the training loop waits for each step's result (as a loop
+that logs its loss does); a loop that dispatches steps ahead should block on an output before
+calling ``next()``, or the wait also counts device time. `trainer_batch_iterator_factory` puts
+the pipeline behind `paragan_jax.train.Trainer`'s loader seam with the trainer's exact batches.
 """
 
 from __future__ import annotations
