@@ -23,7 +23,8 @@ Per step, with N chips on a 2-D torus ``a x b`` (TPU v3 pods are 2-D tori):
 sync: ``n_disc`` D updates and one G update on all N chips, each ending in a gradient all-reduce
 over all N and a barrier: ``T = T_c + exposed all-reduces + jitter(N)``.
 
-async (ParaGAN): G and D on disjoint groups ``N_g + N_d = N``, sized in proportion to their FLOPs;
+async (ParaGAN): G and D on disjoint groups ``N_g + N_d = N`` (whole rows of the torus, split in
+proportion to their FLOPs);
 each group's all-reduce and barrier span only its own chips; fakes (G -> D, every step) and the D
 snapshot (D -> G, every ``k`` steps) travel over ICI while the next step computes (only the part
 longer than the step is exposed); the bounded buffer lets the two groups drift by up to ``k``
@@ -236,7 +237,12 @@ def predict(
             row["note"] = "one chip cannot hold two groups: runs the sync schedule"
     elif scheme == "async":
         share = costs.g_side_flops / (costs.g_side_flops + costs.d_side_flops)
-        n_g = min(chips - 1, max(1, round(chips * share)))
+        # Each group is a sub-torus: whole rows of the a x b torus, split by work.
+        a, b = torus_shape(chips)
+        if b >= 2:
+            n_g = a * min(b - 1, max(1, round(b * share)))
+        else:
+            n_g = min(chips - 1, max(1, round(chips * share)))
         n_d = chips - n_g
         scale_g, scale_d = chips / n_g, chips / n_d
         t_g = _compute_seconds(
