@@ -280,8 +280,27 @@ def _bench_plot(rows: list[dict], path: Path) -> None:
 _COMMANDS = {"train": _train, "eval": _eval, "sample": _sample, "bench": _bench}
 
 
+def patient_cpu_collectives() -> None:
+    """Raises XLA:CPU's collective rendezvous timeouts (default 40 s to abort).
+
+    With 8 simulated devices on a small, busy machine, one device thread can be starved long
+    enough for XLA to abort the process ("Termination timeout for `all gather`"); waiting longer
+    is correct. Only effective before the CPU backend starts, so it runs before jax is used.
+    """
+    import os
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
+        flags += (
+            " --xla_cpu_collective_call_terminate_timeout_seconds=900"
+            " --xla_cpu_collective_call_warn_stuck_timeout_seconds=120"
+        )
+        os.environ["XLA_FLAGS"] = flags.strip()
+
+
 def main(argv: list[str]) -> int:
     """Entry point: ``argv[0]`` is the command name (see `paragan_jax.__main__`)."""
+    patient_cpu_collectives()
     if not argv or argv[0] not in _COMMANDS:
         print(f"paragan_jax: expected one of {sorted(_COMMANDS)}", file=sys.stderr)
         return 2

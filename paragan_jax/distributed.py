@@ -79,7 +79,10 @@ def launch(
     """
     port = free_port()
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+    env["XLA_FLAGS"] = (
+        f"--xla_force_host_platform_device_count={devices_per_process}"
+        " --xla_cpu_collective_call_terminate_timeout_seconds=900"
+    )
     env["JAX_PLATFORMS"] = "cpu"
     procs = [
         subprocess.Popen(
