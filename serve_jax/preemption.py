@@ -403,12 +403,13 @@ class GatedScheduler(Scheduler):
         try:
             out = super().schedule(now)
         finally:
-            front_wait = self._held_waiting + list(self.waiting)
+            # (No copy of the waiting queue unless something was held or hidden: it can be long.)
             if hidden_wait is not None:
-                hidden_wait.extendleft(reversed(front_wait))
+                hidden_wait.extendleft(reversed(self.waiting))
+                hidden_wait.extendleft(reversed(self._held_waiting))
                 self.waiting = hidden_wait
             elif self._held_waiting:
-                self.waiting = deque(front_wait)
+                self.waiting.extendleft(reversed(self._held_waiting))
             if hidden_off is not None:
                 hidden_off.extendleft(reversed(self.offloaded))
                 self.offloaded = hidden_off

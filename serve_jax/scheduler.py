@@ -463,16 +463,29 @@ class Scheduler:
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
-        tokens = req.all_token_ids[start : start + n]
-        return ScheduledChunk(
+        stop = start + n
+        prompt, output = req.prompt_token_ids, req.output_token_ids
+        num_prompt = len(prompt)
+        # Slices of ``prompt + output`` without building the concatenation (one per step for
+        # every running request).
+        if start >= num_prompt:
+            tokens = tuple(output[start - num_prompt : stop - num_prompt])
+        elif stop <= num_prompt:
+            tokens = tuple(prompt[start:stop])
+        else:
+            tokens = tuple(prompt[start:]) + tuple(output[: stop - num_prompt])
+        # ScheduledChunk(...) without the frozen dataclass's per-field object.__setattr__ calls.
+        chunk = _object_new(ScheduledChunk)
+        chunk.__dict__.update(
             request_id=req.request_id,
             start=start,
             num_tokens=n,
-            token_ids=tuple(tokens),
-            sample=start + n == req.num_tokens,
-            num_output_tokens=req.num_output_tokens,
+            token_ids=tokens,
+            sample=stop == num_prompt + len(output),
+            num_output_tokens=len(output),
             sampling=req.sampling,
         )
+        return chunk
 
     def _admit(self, req: Request, now: float) -> None:
         req.status = RequestStatus.RUNNING
@@ -493,6 +506,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
 
         # 1-2. running requests, preempting while their new blocks do not fit.
+        tables = self.blocks.device_tables
+        bs = self.block_size
+        device = self.blocks.device
         while True:
             plan: list[tuple[Request, int, int]] = []
             b = budget
@@ -500,14 +516,20 @@ class Scheduler:
             for req in self.running:
                 if b <= 0:
                     break
-                n = min(req.num_tokens - req.num_computed_tokens, b)
+                computed = req.num_computed_tokens
+                n = len(req.prompt_token_ids) + len(req.output_token_ids) - computed
+                if n > b:
+                    n = b
                 if n <= 0:
                     continue
-                extra = self.blocks.extra_blocks_needed(req.request_id, req.num_computed_tokens + n)
+                # extra_blocks_needed(request_id, computed + n), inlined (hot loop)
+                extra = -(-(computed + n) // bs) - len(tables.get(req.request_id, ()))
+                if extra < 0:
+                    extra = 0
                 plan.append((req, n, extra))
                 need += extra
                 b -= n
-            available = self.blocks.device.num_free + self.blocks.device.num_in_flight
+            available = device.num_free + device.num_in_flight
             shortfall = need - available
             if shortfall <= 0 or not self.running:
                 break
@@ -529,14 +551,18 @@ class Scheduler:
                 seen.add(victim.request_id)
                 self._preempt(victim, PreemptMode(mode), now, out)
 
+        running_status = RequestStatus.RUNNING
+        decodes, prefills = out.decodes, out.prefills
         for req, n, extra in plan:
-            if req.status != RequestStatus.RUNNING:
+            if req.status is not running_status:
                 continue
-            if extra > self.blocks.device.num_free:
-                continue  # sits this step out (blocks still in flight or policy declined)
-            self.blocks.grow(req.request_id, req.num_computed_tokens + n)
+            if extra:
+                if extra > device.num_free:
+                    continue  # sits this step out (blocks still in flight or policy declined)
+                # Nothing changed this request's table since ``extra`` was computed.
+                tables.setdefault(req.request_id, []).extend(device.allocate(req.request_id, extra))
             chunk = self._chunk(req, n)
-            (out.decodes if req.num_output_tokens > 0 and n == 1 else out.prefills).append(chunk)
+            (decodes if n == 1 and req.output_token_ids else prefills).append(chunk)
             budget -= n
 
         # 3. restore offloaded requests (oldest preemption first), resuming them at once.
@@ -575,8 +601,11 @@ class Scheduler:
             out.prefills.append(chunk)
             budget -= n
 
-        for chunk in out.chunks:
-            out.block_tables[chunk.request_id] = list(self.blocks.device_table(chunk.request_id))
+        block_tables = out.block_tables
+        for chunk in prefills:
+            block_tables[chunk.request_id] = list(tables[chunk.request_id])
+        for chunk in decodes:
+            block_tables[chunk.request_id] = list(tables[chunk.request_id])
         self.step_count += 1
         return out
 
@@ -585,34 +614,50 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, result: ExecutorOutput, now: float
     ) -> list[RequestEvent]:
         """Applies one executed step; returns new tokens per request (finished ones included)."""
-        self.blocks.complete_offload(result.completed_offloads)
-        self.blocks.complete_restore(result.completed_restores)
+        if result.completed_offloads:
+            self.blocks.complete_offload(result.completed_offloads)
+        if result.completed_restores:
+            self.blocks.complete_restore(result.completed_restores)
         events: list[RequestEvent] = []
-        for chunk in scheduler_output.chunks:
-            req = self.requests.get(chunk.request_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # finished or aborted while the step ran
-            if req.num_computed_tokens != chunk.start:
-                continue  # preempted and restarted since (stale chunk)
-            req.num_computed_tokens += chunk.num_tokens
-            if not chunk.sample:
-                continue
-            if chunk.request_id not in result.sampled:
-                raise ValueError(f"executor returned no token for {chunk.request_id!r}")
-            token = int(result.sampled[chunk.request_id])
-            req.output_token_ids.append(token)
-            req.token_times.append(now)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            status = None
-            if token in req.stop_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif req.num_output_tokens >= req.max_tokens:
-                status = RequestStatus.FINISHED_LENGTH
-            self.policy.on_tokens(req, now)
-            if status is not None:
-                self.finish_request(req.request_id, status, now)
-            events.append(RequestEvent(req.request_id, (token,), status is not None, req.status))
+        requests = self.requests
+        sampled = result.sampled
+        running_status = RequestStatus.RUNNING
+        on_tokens = self.policy.on_tokens
+        for chunks in (scheduler_output.prefills, scheduler_output.decodes):
+            for chunk in chunks:
+                rid = chunk.request_id
+                req = requests.get(rid)
+                if req is None or req.status is not running_status:
+                    continue  # finished or aborted while the step ran
+                if req.num_computed_tokens != chunk.start:
+                    continue  # preempted and restarted since (stale chunk)
+                req.num_computed_tokens += chunk.num_tokens
+                if not chunk.sample:
+                    continue
+                if rid not in sampled:
+                    raise ValueError(f"executor returned no token for {rid!r}")
+                token = int(sampled[rid])
+                output = req.output_token_ids
+                output.append(token)
+                req.token_times.append(now)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                status = None
+                if token in req.stop_token_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+                elif len(output) >= req.max_tokens:
+                    status = RequestStatus.FINISHED_LENGTH
+                on_tokens(req, now)
+                if status is not None:
+                    self.finish_request(rid, status, now)
+                event = _object_new(RequestEvent)  # RequestEvent(...), without its setattrs
+                event.__dict__.update(
+                    request_id=rid,
+                    new_token_ids=(token,),
+                    finished=status is not None,
+                    status=req.status,
+                )
+                events.append(event)
         return events
 
     # ---- introspection -------------------------------------------------------------------
@@ -645,6 +690,9 @@ class Scheduler:
             "free_host_blocks": self.blocks.host.num_free,
             "preemptions": self.num_preemptions,
         }
+
+
+_object_new = object.__new__
 
 
 def requests_in_order(requests: Sequence[Request]) -> list[Request]:

@@ -430,6 +430,7 @@ def simulate(
     )
     reqs: dict[str, Request] = {}
     tally = _Tally(num_blocks=num_blocks)
+    block_bytes = roofline.block_bytes
     now = 0.0
     step = 0
     prev_step_preempted = False
@@ -478,8 +479,10 @@ def simulate(
                 if mode == PreemptMode.RECOMPUTE:
                     tally.wasted += sched.preempted_computed_tokens[rid]
         prev_step_preempted = bool(so.preemptions)
-        tally.bytes_off += len(so.offloads) * roofline.block_bytes
-        tally.bytes_res += len(so.restores) * roofline.block_bytes
+        if so.offloads:
+            tally.bytes_off += len(so.offloads) * block_bytes
+        if so.restores:
+            tally.bytes_res += len(so.restores) * block_bytes
         if cost_observations is not None and cost_observations[step] is not None:
             costs.observe(*cost_observations[step])
         events = sched.update_from_output(so, res, now)
