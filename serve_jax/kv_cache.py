@@ -5,10 +5,11 @@ A view is a small Python object living inside one traced step: each attention la
 updated arrays are read back from the view when the forward ends. The jitted step donates the
 pools, so XLA updates them in place.
 
-Paged layout: ``k_pool`` and ``v_pool`` are [n_layers, num_blocks, block_size, n_kv_heads,
-head_dim]; a sequence's block table maps position p to page ``table[p // block_size]``, slot
-``p % block_size``. Padded query rows (``valid == False``) write nowhere (their page index is
-out of range and the scatter drops it).
+Paged layout: ``k_pool`` and ``v_pool`` are [n_layers, num_blocks, n_kv_heads, block_size,
+head_dim] (head-major pages, which `serve_jax.attention` reads without a transpose); a sequence's
+block table maps position p to page ``table[p // block_size]``, slot ``p % block_size``.
+Padded query rows (``valid == False``) write nowhere (their page index is out of range and the
+scatter drops it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ __all__ = ["PagedKVView", "DenseKVView", "make_kv_pools", "pool_shape"]
 
 def pool_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
     """Shape of one of the K or V page pools."""
-    return (cfg.n_layers, num_blocks, block_size, cfg.n_kv_heads, cfg.head_dim)
+    return (cfg.n_layers, num_blocks, cfg.n_kv_heads, block_size, cfg.head_dim)
 
 
 def make_kv_pools(
@@ -55,13 +56,14 @@ class PagedKVView:
     """[B, T] bool: False for padding."""
 
     def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        num_blocks, bs = self.k_pool.shape[1], self.k_pool.shape[2]
+        num_blocks, bs = self.k_pool.shape[1], self.k_pool.shape[3]
         page = jnp.take_along_axis(self.block_tables, self.positions // bs, axis=1)
         page = jnp.where(self.valid, page, num_blocks)  # out of range: dropped
         slot = self.positions % bs
         dt = self.k_pool.dtype
-        self.k_pool = self.k_pool.at[layer, page, slot].set(k.astype(dt), mode="drop")
-        self.v_pool = self.v_pool.at[layer, page, slot].set(v.astype(dt), mode="drop")
+        # Advanced indices split by the head slice: the update is [B, T, KV, D], as k is.
+        self.k_pool = self.k_pool.at[layer, page, :, slot].set(k.astype(dt), mode="drop")
+        self.v_pool = self.v_pool.at[layer, page, :, slot].set(v.astype(dt), mode="drop")
         return paged_attention(
             q, self.k_pool, self.v_pool, self.block_tables, self.positions, layer=layer
         )
@@ -69,7 +71,7 @@ class PagedKVView:
 
 @dataclasses.dataclass
 class DenseKVView:
-    """An unpaged cache [n_layers, B, max_len, KV, D]: position p of row b at index p."""
+    """An unpaged head-major cache [n_layers, B, KV, max_len, D]: position p of row b at p."""
 
     k: jax.Array
     v: jax.Array
@@ -78,17 +80,17 @@ class DenseKVView:
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, max_len: int) -> tuple[jax.Array, jax.Array]:
-        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
         return jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype)
 
     def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         b, t = self.positions.shape
-        max_len = self.k.shape[2]
+        max_len = self.k.shape[3]
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
         pos = jnp.where(self.valid, self.positions, max_len)
-        self.k = self.k.at[layer, rows, pos].set(k.astype(self.k.dtype), mode="drop")
-        self.v = self.v.at[layer, rows, pos].set(v.astype(self.v.dtype), mode="drop")
-        return context_attention(q, self.k[layer], self.v[layer], self.positions)
+        self.k = self.k.at[layer, rows, :, pos].set(k.astype(self.k.dtype), mode="drop")
+        self.v = self.v.at[layer, rows, :, pos].set(v.astype(self.v.dtype), mode="drop")
+        return context_attention(q, self.k[layer], self.v[layer], self.positions, heads_major=True)
 
 
 def dense_greedy_generate(

@@ -62,15 +62,16 @@ def random_prompts(rng, n, lo=2, hi=30):
 def test_paged_attention_matches_contiguous_context(chunk_tokens):
     rng = np.random.default_rng(0)
     b, t, h, kv, d, bs, nb, m = 3, 4, 4, 2, 8, 4, 32, 5
-    k_pool = jnp.asarray(rng.normal(size=(nb, bs, kv, d)), jnp.float32)
-    v_pool = jnp.asarray(rng.normal(size=(nb, bs, kv, d)), jnp.float32)
+    k_pool = jnp.asarray(rng.normal(size=(nb, kv, bs, d)), jnp.float32)  # head-major pages
+    v_pool = jnp.asarray(rng.normal(size=(nb, kv, bs, d)), jnp.float32)
     tables = jnp.asarray(rng.permutation(nb)[: b * m].reshape(b, m))
     q = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
     # Row 0 stops in the first page: later pages (garbage) must not leak in.
     pos = jnp.asarray([[0, 1, 2, 3], [5, 6, 7, 8], [8, 9, 10, 11]])
     got = paged_attention(q, k_pool, v_pool, tables, pos, chunk_tokens=chunk_tokens)
-    k_ctx = jnp.concatenate([k_pool[tables[:, j]] for j in range(m)], axis=1)
-    v_ctx = jnp.concatenate([v_pool[tables[:, j]] for j in range(m)], axis=1)
+    # [B, m * bs, KV, D] context built page by page (independently of gather_pages).
+    k_ctx = jnp.concatenate([k_pool[tables[:, j]].transpose(0, 2, 1, 3) for j in range(m)], axis=1)
+    v_ctx = jnp.concatenate([v_pool[tables[:, j]].transpose(0, 2, 1, 3) for j in range(m)], axis=1)
     want = context_attention(q, k_ctx, v_ctx, pos)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     # Direct softmax for one query: position 5 of row 1 sees context 0..5.
@@ -222,7 +223,7 @@ def test_tensor_parallel_weights_from_tapas_plan(model):
     )
     specs = eng.executor.plan.param_paths
     assert any("model" in (s or []) for s in specs.values()), specs
-    assert eng.executor.k_pool.sharding.spec[3] == "model"
+    assert eng.executor.k_pool.sharding.spec[2] == "model"
     prompts = random_prompts(random.Random(5), 5, 8, 24)
     outs = eng.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     for p, o in zip(prompts, outs):
