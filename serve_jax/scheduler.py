@@ -622,7 +622,10 @@ class Scheduler:
         requests = self.requests
         sampled = result.sampled
         running_status = RequestStatus.RUNNING
+        # The base hook does nothing; skip a call per token when the policy keeps it.
         on_tokens = self.policy.on_tokens
+        if getattr(on_tokens, "__func__", None) is VictimPolicy.on_tokens:
+            on_tokens = None
         for chunks in (scheduler_output.prefills, scheduler_output.decodes):
             for chunk in chunks:
                 rid = chunk.request_id
@@ -647,7 +650,8 @@ class Scheduler:
                     status = RequestStatus.FINISHED_STOPPED
                 elif len(output) >= req.max_tokens:
                     status = RequestStatus.FINISHED_LENGTH
-                on_tokens(req, now)
+                if on_tokens is not None:
+                    on_tokens(req, now)
                 if status is not None:
                     self.finish_request(rid, status, now)
                 event = _object_new(RequestEvent)  # RequestEvent(...), without its setattrs

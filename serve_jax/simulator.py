@@ -165,7 +165,7 @@ class SimulatedExecutor:
     def compute_seconds(self, so: SchedulerOutput) -> float:
         """Roofline time of the step's prefill chunks and decodes."""
         chunks = [(c.num_tokens, c.start) for c in so.prefills]
-        ctx = sum(c.start + c.num_tokens for c in so.decodes)
+        ctx = sum([c.start + c.num_tokens for c in so.decodes])
         return self.costs.step_seconds(chunks, len(so.decodes), ctx)
 
     def execute(self, so: SchedulerOutput) -> ExecutorOutput:
@@ -197,12 +197,13 @@ class SimulatedExecutor:
                 end = max(end, self._pending_offloads[0][0])
             while self._pending_offloads and self._pending_offloads[0][0] <= end:
                 out.completed_offloads.extend(heapq.heappop(self._pending_offloads)[2])
-        for c in so.chunks:
-            if c.sample:
-                n_out = c.num_output_tokens + 1
-                target = self.output_lens.get(c.request_id, math.inf)
-                stop = self.emit_stop and n_out >= target
-                out.sampled[c.request_id] = STOP_TOKEN if stop else _TOKEN
+        sampled, output_lens, emit_stop = out.sampled, self.output_lens, self.emit_stop
+        for chunks in (so.prefills, so.decodes):
+            for c in chunks:
+                if c.sample:
+                    n_out = c.num_output_tokens + 1
+                    stop = emit_stop and n_out >= output_lens.get(c.request_id, math.inf)
+                    sampled[c.request_id] = STOP_TOKEN if stop else _TOKEN
         out.step_seconds = end - start
         self.now = end
         self.steps += 1

@@ -323,3 +323,32 @@ def test_in_flight_blocks_are_not_reused_until_copy_completes():
     mgr.complete_restore(back)
     mgr.free("a")
     mgr.assert_all_free()
+
+
+def test_fast_built_chunks_and_events_equal_dataclass_built_ones():
+    """The scheduler builds chunks and events without the dataclass __init__ (hot path)."""
+    import dataclasses
+
+    from serve_jax.scheduler import RequestEvent, ScheduledChunk
+
+    sched = Scheduler(num_device_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=3)
+    sched.add_request(Request("r", [5, 6, 7, 8], max_tokens=3, arrival_time=0.0))
+    seen_decode = False
+    while sched.has_unfinished():
+        so = sched.schedule(0.0)
+        for c in so.chunks:
+            fields = {f.name: getattr(c, f.name) for f in dataclasses.fields(ScheduledChunk)}
+            assert c == ScheduledChunk(**fields) and vars(c) == fields
+        seen_decode |= bool(so.decodes)
+        events = sched.update_from_output(so, ExecutorOutput(sampled={"r": 9}), 0.0)
+        for e in events:
+            fields = {f.name: getattr(e, f.name) for f in dataclasses.fields(RequestEvent)}
+            assert e == RequestEvent(**fields) and vars(e) == fields
+    assert seen_decode
+    # A chunk that spans the end of the prompt and the outputs (after a recompute preemption).
+    req = Request("s", [1, 2, 3], max_tokens=4, arrival_time=0.0, output_token_ids=[4, 5])
+    req.num_computed_tokens = 1
+    assert sched._chunk(req, 4).token_ids == (2, 3, 4, 5)
+    assert sched._chunk(req, 2).token_ids == (2, 3)
+    req.num_computed_tokens = 3
+    assert sched._chunk(req, 2).token_ids == (4, 5)
