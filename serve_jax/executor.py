@@ -167,7 +167,7 @@ class JaxExecutor:
             else:
                 param_shardings = self._replicated
             kv_spec = "model" if tp > 1 and self.cfg.n_kv_heads % tp == 0 else None
-            pool_sharding = NamedSharding(mesh, PartitionSpec(None, None, kv_spec, None, None))
+            pool_sharding = NamedSharding(mesh, PartitionSpec(None, kv_spec, None, None))
         self.params = jax.device_put(params, param_shardings)
         self.pool_sharding = pool_sharding
         self.k_pool, self.v_pool = make_kv_pools(

@@ -5,8 +5,11 @@ A view is a small Python object living inside one traced step: each attention la
 updated arrays are read back from the view when the forward ends. The jitted step donates the
 pools, so XLA updates them in place.
 
-Paged layout: ``k_pool`` and ``v_pool`` are [n_layers, num_blocks, n_kv_heads, block_size,
-head_dim] (head-major pages, which `serve_jax.attention` reads without a transpose); a sequence's
+Paged layout: ``k_pool`` and ``v_pool`` are tuples of ``n_layers`` arrays [num_blocks,
+n_kv_heads, block_size, head_dim] (head-major pages, which `serve_jax.attention` reads without a
+transpose). One array per layer, not one stacked [n_layers, ...] array: XLA:CPU turned each
+layer's small scatter into the stacked array into a copy of the whole cache (16 per step), while a
+donated per-layer array is updated in place. A sequence's
 block table maps position p to page ``table[p // block_size]``, slot ``p % block_size``.
 Padded query rows (``valid == False``) write nowhere (their page index is out of range and the
 scatter drops it).
@@ -27,27 +30,36 @@ __all__ = ["PagedKVView", "DenseKVView", "make_kv_pools", "pool_shape"]
 
 
 def pool_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """Shape of one of the K or V page pools."""
-    return (cfg.n_layers, num_blocks, cfg.n_kv_heads, block_size, cfg.head_dim)
+    """Shape of one layer's K (or V) page pool."""
+    return (num_blocks, cfg.n_kv_heads, block_size, cfg.head_dim)
 
 
 def make_kv_pools(
     cfg: ModelConfig, num_blocks: int, block_size: int, device=None, sharding=None
-) -> tuple[jax.Array, jax.Array]:
-    """Zeroed K and V page pools with ``sharding`` (or on ``device``; default the first)."""
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Zeroed K and V page pools, one array per layer, with ``sharding`` (or on ``device``)."""
     shape = pool_shape(cfg, num_blocks, block_size)
     where = sharding if sharding is not None else (device or jax.devices()[0])
-    k = jax.device_put(jnp.zeros(shape, cfg.jnp_dtype), where)
-    v = jax.device_put(jnp.zeros(shape, cfg.jnp_dtype), where)
+
+    def one():
+        return jax.device_put(jnp.zeros(shape, cfg.jnp_dtype), where)
+
+    k = tuple(one() for _ in range(cfg.n_layers))
+    v = tuple(one() for _ in range(cfg.n_layers))
     return k, v
+
+
+def _replace(arrays: tuple[jax.Array, ...], i: int, x: jax.Array) -> tuple[jax.Array, ...]:
+    return (*arrays[:i], x, *arrays[i + 1 :])
 
 
 @dataclasses.dataclass
 class PagedKVView:
     """Paged pools plus the step's block tables and query positions (inside a traced step)."""
 
-    k_pool: jax.Array
-    v_pool: jax.Array
+    k_pool: tuple[jax.Array, ...]
+    """Per-layer [NB, KV, bs, D] key pages."""
+    v_pool: tuple[jax.Array, ...]
     block_tables: jax.Array
     """[B, maxb] int32."""
     positions: jax.Array
@@ -56,41 +68,55 @@ class PagedKVView:
     """[B, T] bool: False for padding."""
 
     def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        num_blocks, bs = self.k_pool.shape[1], self.k_pool.shape[3]
+        num_blocks, bs = self.k_pool[layer].shape[0], self.k_pool[layer].shape[2]
         page = jnp.take_along_axis(self.block_tables, self.positions // bs, axis=1)
         page = jnp.where(self.valid, page, num_blocks)  # out of range: dropped
         slot = self.positions % bs
-        dt = self.k_pool.dtype
         # Advanced indices split by the head slice: the update is [B, T, KV, D], as k is.
-        self.k_pool = self.k_pool.at[layer, page, :, slot].set(k.astype(dt), mode="drop")
-        self.v_pool = self.v_pool.at[layer, page, :, slot].set(v.astype(dt), mode="drop")
-        return paged_attention(
-            q, self.k_pool, self.v_pool, self.block_tables, self.positions, layer=layer
+        kp = (
+            self.k_pool[layer]
+            .at[page, :, slot]
+            .set(k.astype(self.k_pool[layer].dtype), mode="drop")
         )
+        vp = (
+            self.v_pool[layer]
+            .at[page, :, slot]
+            .set(v.astype(self.v_pool[layer].dtype), mode="drop")
+        )
+        self.k_pool = _replace(self.k_pool, layer, kp)
+        self.v_pool = _replace(self.v_pool, layer, vp)
+        return paged_attention(q, kp, vp, self.block_tables, self.positions)
 
 
 @dataclasses.dataclass
 class DenseKVView:
-    """An unpaged head-major cache [n_layers, B, KV, max_len, D]: position p of row b at p."""
+    """An unpaged head-major cache, per layer [B, KV, max_len, D]: position p of row b at p."""
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     positions: jax.Array
     valid: jax.Array
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, max_len: int) -> tuple[jax.Array, jax.Array]:
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        return jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype)
+    def zeros(
+        cls, cfg: ModelConfig, batch: int, max_len: int
+    ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """Zeroed K and V caches, one [batch, KV, max_len, D] array per layer."""
+        shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        k = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.n_layers))
+        v = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.n_layers))
+        return k, v
 
     def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         b, t = self.positions.shape
-        max_len = self.k.shape[3]
+        max_len = self.k[layer].shape[2]
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
         pos = jnp.where(self.valid, self.positions, max_len)
-        self.k = self.k.at[layer, rows, :, pos].set(k.astype(self.k.dtype), mode="drop")
-        self.v = self.v.at[layer, rows, :, pos].set(v.astype(self.v.dtype), mode="drop")
-        return context_attention(q, self.k[layer], self.v[layer], self.positions, heads_major=True)
+        kc = self.k[layer].at[rows, :, pos].set(k.astype(self.k[layer].dtype), mode="drop")
+        vc = self.v[layer].at[rows, :, pos].set(v.astype(self.v[layer].dtype), mode="drop")
+        self.k = _replace(self.k, layer, kc)
+        self.v = _replace(self.v, layer, vc)
+        return context_attention(q, kc, vc, self.positions, heads_major=True)
 
 
 def dense_greedy_generate(

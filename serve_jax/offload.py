@@ -11,7 +11,7 @@ Restore (host -> device) happens before the compute of the step that resumes the
 host pages are put back on the device and scattered into the pools by a jitted update that
 donates the pools.
 
-Each offload becomes one host "chunk" (K and V arrays [n_layers, n, bs, KV, D] in host memory);
+Each offload becomes one host "chunk" (K and V: per-layer arrays [n, KV, bs, D] in host memory);
 ``_where`` maps a host block id to (chunk, index). The host block accounting (how many host
 blocks exist, which are free) is the scheduler's `KVBlockManager`; this class stores the data.
 """
@@ -43,21 +43,23 @@ def _bucket(n: int) -> int:
 
 
 @jax.jit
-def _gather_pages(k_pool: jax.Array, v_pool: jax.Array, idx: jax.Array):
-    return k_pool[:, idx], v_pool[:, idx]
+def _gather_pages(k_pool, v_pool, idx: jax.Array):
+    """Pages ``idx`` of every layer's pool (tuples of per-layer arrays in and out)."""
+    return tuple(p[idx] for p in k_pool), tuple(p[idx] for p in v_pool)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def _scatter_pages(k_pool, v_pool, k_pages, v_pages, src, dst):
-    k_pool = k_pool.at[:, dst].set(k_pages[:, src], mode="drop")
-    v_pool = v_pool.at[:, dst].set(v_pages[:, src], mode="drop")
+    k_pool = tuple(p.at[dst].set(x[src], mode="drop") for p, x in zip(k_pool, k_pages))
+    v_pool = tuple(p.at[dst].set(x[src], mode="drop") for p, x in zip(v_pool, v_pages))
     return k_pool, v_pool
 
 
 @dataclasses.dataclass
 class _Chunk:
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    """Per-layer [n, KV, bs, D] pages."""
+    v: tuple[jax.Array, ...]
 
 
 class HostKVTier:
@@ -85,7 +87,7 @@ class HostKVTier:
         """Offloads issued and not yet reported complete."""
         return len(self._in_flight)
 
-    def offload(self, k_pool: jax.Array, v_pool: jax.Array, pairs: list[tuple[int, int]]) -> None:
+    def offload(self, k_pool, v_pool, pairs: list[tuple[int, int]]) -> None:
         """Starts copying device blocks to host blocks; returns at once."""
         n = len(pairs)
         idx = np.zeros(_bucket(n), np.int32)
@@ -100,15 +102,14 @@ class HostKVTier:
         """Waits for every offload issued so far; returns their (device, host) pairs."""
         done = []
         for pairs, chunk in self._in_flight:
-            chunk.k.block_until_ready()
-            chunk.v.block_until_ready()
+            jax.block_until_ready((chunk.k, chunk.v))
             done.extend(pairs)
         self._in_flight = []
         return done
 
     def restore(
-        self, k_pool: jax.Array, v_pool: jax.Array, pairs: list[tuple[int, int]]
-    ) -> tuple[jax.Array, jax.Array]:
+        self, k_pool, v_pool, pairs: list[tuple[int, int]]
+    ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         """Copies host blocks back into device blocks; returns the updated (donated) pools."""
         by_chunk: dict[int, tuple[_Chunk, list[int], list[int]]] = {}
         for h, d in pairs:
@@ -118,7 +119,7 @@ class HostKVTier:
             entry = by_chunk.setdefault(id(chunk), (chunk, [], []))
             entry[1].append(i)
             entry[2].append(d)
-        num_blocks = k_pool.shape[1]
+        num_blocks = k_pool[0].shape[0]
         for chunk, src_list, dst_list in by_chunk.values():
             m = _bucket(len(src_list))
             src = np.zeros(m, np.int32)

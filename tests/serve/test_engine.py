@@ -223,7 +223,7 @@ def test_tensor_parallel_weights_from_tapas_plan(model):
     )
     specs = eng.executor.plan.param_paths
     assert any("model" in (s or []) for s in specs.values()), specs
-    assert eng.executor.k_pool.sharding.spec[2] == "model"
+    assert eng.executor.k_pool[0].sharding.spec[1] == "model"
     prompts = random_prompts(random.Random(5), 5, 8, 24)
     outs = eng.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     for p, o in zip(prompts, outs):
