@@ -10,4 +10,24 @@ mkdir -p "$OUT"
 echo "== tapas_jax: devices, mesh and hardware profiles"
 "$PY" -m tapas_jax info --mesh data=2,model=4
 
-# Sections below are added as the packages land (tapas plan, serve replay, paragan train).
+echo
+echo "== tapas_jax: plan a 4-layer GPT on the simulated data=2,model=4 mesh"
+"$PY" -m tapas_jax plan --config gpt_demo_cpu --json "$OUT/plan.json"
+
+echo
+echo "== serve_jax: offline replay of an Azure conversation-trace sample through the small model"
+"$PY" -m serve_jax replay --config cpu_demo --trace conv --num-requests 10 --rate 2 \
+  --token-scale 0.1 --max-output-len 32 --json "$OUT/replay.json" \
+  executor.min_batch=16 executor.min_chunk=256
+
+echo
+echo "== serve_jax: preemption policies in the simulator (Llama-7B on H100, 8 GB of KV)"
+"$PY" -m serve_jax simulate --workload reasoning --duration-s 900 --kv-memory-gb 8 \
+  --policies fcfs_last,predictive --json "$OUT/simulate.json"
+
+echo
+echo "== paragan_jax: a short GAN run on the 8x8 digits (sync scheme, 8 simulated devices)"
+"$PY" -m paragan_jax train --config digits_cpu --steps 150 --workdir "$OUT/digits" --no-progress
+
+echo
+echo "demo outputs are under $OUT/ (plan.json, replay.json, simulate.json + PNG, digits/)"
