@@ -561,8 +561,24 @@ class Scheduler:
                     continue  # sits this step out (blocks still in flight or policy declined)
                 # Nothing changed this request's table since ``extra`` was computed.
                 tables.setdefault(req.request_id, []).extend(device.allocate(req.request_id, extra))
-            chunk = self._chunk(req, n)
-            (decodes if n == 1 and req.output_token_ids else prefills).append(chunk)
+            output = req.output_token_ids
+            start = req.num_computed_tokens
+            num_prompt = len(req.prompt_token_ids)
+            if n == 1 and output and start >= num_prompt:
+                # A decode: `_chunk` inlined (one per running request per step).
+                chunk = _object_new(ScheduledChunk)
+                chunk.__dict__.update(
+                    request_id=req.request_id,
+                    start=start,
+                    num_tokens=1,
+                    token_ids=(output[start - num_prompt],),
+                    sample=start + 1 == num_prompt + len(output),
+                    num_output_tokens=len(output),
+                    sampling=req.sampling,
+                )
+                decodes.append(chunk)
+            else:
+                (decodes if n == 1 and output else prefills).append(self._chunk(req, n))
             budget -= n
 
         # 3. restore offloaded requests (oldest preemption first), resuming them at once.
