@@ -163,7 +163,7 @@ class JaxExecutor:
             tp = dict(mesh.shape).get("model", 1)
             if tp > 1:
                 self.plan = plan_decoder(model, mesh, memory_limit_bytes=plan_memory_limit_bytes)
-                param_shardings = self.plan.in_shardings(mesh)[0]
+                param_shardings = self.plan.in_shardings_on(mesh)[0]
             else:
                 param_shardings = self._replicated
             kv_spec = "model" if tp > 1 and self.cfg.n_kv_heads % tp == 0 else None
