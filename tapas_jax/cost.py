@@ -149,6 +149,19 @@ class Lowered:
     spec_table: dict[int, tuple[list[Spec], np.ndarray]]
     unknown: set[str]
     fixed: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    operand_table: dict[tuple[int, int], tuple[list[Spec], np.ndarray]] = dataclasses.field(
+        default_factory=dict
+    )
+    """(representative equation, operand position) -> the layouts its strategies read the
+    operand in, indexed like `spec_table` through `leader`."""
+    leader: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Representative equation -> the node that decides its strategy."""
+
+    def operand_spec(self, i: int, k: int, choice: np.ndarray) -> Spec:
+        """The layout equation `i` reads its operand `k` in under `choice`."""
+        r = int(self.folding.rep_eqn[i])
+        uniq, idx = self.operand_table[(r, k)]
+        return uniq[idx[choice[self.leader[r]]]]
 
     def spec_of(self, v: int, choice: np.ndarray) -> Spec:
         r = int(self.folding.rep_var[v])
@@ -394,4 +407,4 @@ def build_problem(
             + "; their operands and results are planned replicated",
             stacklevel=2,
         )
-    return Lowered(prob, graph, fold, axes, owner, table, unknown)
+    return Lowered(prob, graph, fold, axes, owner, table, unknown, operand_table=req, leader=leader)

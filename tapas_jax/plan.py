@@ -57,7 +57,9 @@ class Plan:
     constraints: dict[str, SpecList] = dataclasses.field(default_factory=dict, repr=False)
     """Layouts the plan chose for intermediate results (every non-scalar result outside scan
     bodies), keyed by their position in the traced program; `jit` pins them with sharding
-    constraints so the partitioner follows the plan."""
+    constraints so the partitioner follows the plan. Keys ``"<position>@<k>"`` pin operand ``k``
+    of that equation where the plan reads it in another layout than it was made in (so a
+    contraction priced as gathering its operands is not turned into a partial-sum all-reduce)."""
     mesh: Any = dataclasses.field(default=None, repr=False, compare=False)
     in_treedef: Any = dataclasses.field(default=None, repr=False, compare=False)
     out_treedef: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -234,7 +236,15 @@ def _constrained(fn: Callable[..., Any], constraints: dict[str, SpecList], mesh)
 
     from .graph import INLINED
 
-    pinned = {tuple(int(x) for x in k.split("/")): _pspec(v) for k, v in constraints.items()}
+    pinned: dict[tuple[int, ...], PartitionSpec] = {}
+    operands: dict[tuple[int, ...], dict[int, PartitionSpec]] = {}
+    for k, v in constraints.items():
+        where, _, operand = k.partition("@")
+        path = tuple(int(x) for x in where.split("/"))
+        if operand:
+            operands.setdefault(path, {})[int(operand)] = _pspec(v)
+        else:
+            pinned[path] = _pspec(v)
 
     def evaluate(jaxpr, consts, args, prefix):
         env = {}
@@ -257,6 +267,10 @@ def _constrained(fn: Callable[..., Any], constraints: dict[str, SpecList], mesh)
                 else:
                     outs = evaluate(sub, (), invals, path)
             else:
+                for k, spec in operands.get(path, {}).items():
+                    invals[k] = jax.lax.with_sharding_constraint(
+                        invals[k], NamedSharding(mesh, spec)
+                    )
                 params = eqn.primitive.get_bind_params(eqn.params)
                 subfuns = []
                 if isinstance(params, tuple):  # older jax: (subfuns, params)
@@ -280,9 +294,17 @@ def _constrained(fn: Callable[..., Any], constraints: dict[str, SpecList], mesh)
             if key:
                 sub = eqn.params[key]
                 matches(sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub, path, found)
-            elif path in pinned:
-                ok = len(eqn.outvars) == 1 and len(eqn.outvars[0].aval.shape) == len(pinned[path])
-                found[path] = ok
+            else:
+                if path in pinned:
+                    out = eqn.outvars
+                    found[path] = len(out) == 1 and len(out[0].aval.shape) == len(pinned[path])
+                for k, spec in operands.get(path, {}).items():
+                    x = eqn.invars[k] if k < len(eqn.invars) else None
+                    found[(path, k)] = (
+                        x is not None
+                        and not isinstance(x, jcore.Literal)
+                        and len(x.aval.shape) == len(spec)
+                    )
         return found
 
     def wrapped(*args):
@@ -290,7 +312,8 @@ def _constrained(fn: Callable[..., Any], constraints: dict[str, SpecList], mesh)
         abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
         closed = jax.make_jaxpr(fn)(*abstract)
         found = matches(closed.jaxpr, (), {})
-        if len(found) != len(pinned) or not all(found.values()):
+        expected = len(pinned) + sum(len(o) for o in operands.values())
+        if len(found) != expected or not all(found.values()):
             warnings.warn(
                 "tapas_jax: the function traces differently from the planned one; running it "
                 "without the plan's intermediate sharding constraints",
@@ -352,6 +375,18 @@ def plan_from_lowered(
     for e in g.eqns:
         if e.src is not None and len(e.outvars) == 1 and g.shapes[e.outvars[0]]:
             constraints["/".join(map(str, e.src))] = list(lowered.spec_of(e.outvars[0], choice))
+    # Operands the plan reads in another layout than they were made in (a contraction that
+    # gathers its operands rather than all-reducing partial sums): pinned too, as
+    # ``"<path>@<operand>"``, or XLA may pick another way to the same result layout.
+    for i, e in enumerate(g.eqns):
+        if e.src is None:
+            continue
+        for k, v in enumerate(e.invars):
+            if v is None or not g.shapes[v]:
+                continue
+            want = lowered.operand_spec(i, k, choice)
+            if want != lowered.spec_of(v, choice):
+                constraints["/".join(map(str, e.src)) + f"@{k}"] = list(want)
     b = lowered.problem.breakdown(choice)
     by_kind = b["comm_bytes_by_kind"]
     predicted = {
