@@ -106,17 +106,22 @@ def _nbytes(example: Example) -> int:
     return int(sum(v.nbytes for v in example.values()))
 
 
+def _common_length(arrays: dict[str, np.ndarray], where: str) -> int:
+    """The shared number of examples (leading axis) of `arrays`, or a ValueError naming them."""
+    lengths = {k: len(v) for k, v in arrays.items()}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(f"{where}: arrays hold different numbers of examples: {lengths}")
+    return next(iter(lengths.values()))
+
+
 class InMemoryStorage:
     """Examples held in host arrays (all arrays share the leading example axis)."""
 
-    def __init__(self, arrays: dict[str, np.ndarray]):
+    def __init__(self, arrays: dict[str, np.ndarray], where: str = "InMemoryStorage"):
         if not arrays:
-            raise ValueError("InMemoryStorage needs at least one array")
-        lengths = {k: len(v) for k, v in arrays.items()}
-        if len(set(lengths.values())) != 1:
-            raise ValueError(f"arrays have different numbers of examples: {lengths}")
+            raise ValueError(f"{where} needs at least one array")
+        self._n = _common_length(arrays, where)
         self._arrays = dict(arrays)
-        self._n = next(iter(lengths.values()))
         self._stats = FetchStats()
 
     def __len__(self) -> int:
@@ -133,6 +138,7 @@ class InMemoryStorage:
         if not 0 <= index < self._n:
             raise IndexError(f"example {index} out of range [0, {self._n})")
         t0 = time.perf_counter()
+        # np.array copies: out of the caller's arrays, or out of the mmap for local files.
         ex = {k: np.array(v[index]) for k, v in self._arrays.items()}
         self._stats.record(time.perf_counter() - t0, _nbytes(ex))
         return ex
@@ -141,16 +147,14 @@ class InMemoryStorage:
 def write_local_dataset(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> Path:
     """Writes arrays (leading axis = example) as ``<path>/<name>.npy`` for `LocalArrayStorage`."""
     root = Path(path)
+    _common_length(arrays, str(root))
     root.mkdir(parents=True, exist_ok=True)
-    lengths = {k: len(v) for k, v in arrays.items()}
-    if len(set(lengths.values())) != 1:
-        raise ValueError(f"arrays have different numbers of examples: {lengths}")
     for name, arr in arrays.items():
         np.save(root / f"{name}.npy", np.ascontiguousarray(arr))
     return root
 
 
-class LocalArrayStorage:
+class LocalArrayStorage(InMemoryStorage):
     """Reads one example at a time from memory-mapped ``.npy`` files in a directory."""
 
     def __init__(self, path: str | os.PathLike):
@@ -160,30 +164,7 @@ class LocalArrayStorage:
             raise FileNotFoundError(
                 f"no .npy files in {str(root)!r}; write them with write_local_dataset"
             )
-        self._arrays = {f.stem: np.load(f, mmap_mode="r") for f in files}
-        lengths = {k: len(v) for k, v in self._arrays.items()}
-        if len(set(lengths.values())) != 1:
-            raise ValueError(f"{root}: files hold different numbers of examples: {lengths}")
-        self._n = next(iter(lengths.values()))
-        self._stats = FetchStats()
-
-    def __len__(self) -> int:
-        return self._n
-
-    @property
-    def stats(self) -> FetchStats:
-        return self._stats
-
-    def example_nbytes(self) -> int:
-        return int(sum(v[0].nbytes for v in self._arrays.values()))
-
-    def fetch(self, index: int) -> Example:
-        if not 0 <= index < self._n:
-            raise IndexError(f"example {index} out of range [0, {self._n})")
-        t0 = time.perf_counter()
-        ex = {k: np.array(v[index]) for k, v in self._arrays.items()}  # copies out of the mmap
-        self._stats.record(time.perf_counter() - t0, _nbytes(ex))
-        return ex
+        super().__init__({f.stem: np.load(f, mmap_mode="r") for f in files}, where=str(root))
 
 
 @dataclasses.dataclass(frozen=True)
