@@ -69,6 +69,10 @@ class ModelConfig:
     """Running-average momentum of batch norm in G."""
     dtype: str = "float32"
     """Compute dtype (``float32`` or ``bfloat16``); params are kept in float32."""
+    layout: str = "auto"
+    """Layout plan of D's first convolution on 3-channel images (`paragan_jax.layout`):
+    ``auto`` (`choose_layout` of the default backend), ``tpu``, ``gpu``, ``cpu``, or ``none``
+    (the plain NHWC convolution). Same params and function either way; only the arrays differ."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +207,7 @@ class TrainConfig:
 
 _ARCHS = ("dcgan", "biggan", "mlp")
 _SOURCES = ("digits", "ring8", "grid25", "folder", "npy")
+_LAYOUTS = ("auto", "tpu", "gpu", "cpu", "none")
 
 
 def validate_config(config: TrainConfig) -> None:
@@ -244,6 +249,8 @@ def validate_config(config: TrainConfig) -> None:
                     f"model.d_channel_mult has {len(m.d_channel_mult)} entries; resolution {r} "
                     f"needs {n_up + 1}"
                 )
+    if m.layout not in _LAYOUTS:
+        raise ConfigError(f"model.layout={m.layout!r}: expected one of {_LAYOUTS}")
     if m.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype={m.dtype!r}: expected 'float32' or 'bfloat16'")
     if config.scheme not in ("sync", "async"):
