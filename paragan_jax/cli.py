@@ -3,6 +3,8 @@
 ::
 
     python -m paragan_jax train --config digits_cpu --scheme async --steps 300 --workdir runs/d
+    python -m paragan_jax train --config digits_cpu --adaptive-pipeline --emulate-remote \
+        --workdir runs/p
     python -m paragan_jax eval --workdir runs/d --json out.json
     python -m paragan_jax sample --workdir runs/d --out grid.png
     python -m paragan_jax bench --config ring8_cpu --seconds 20 --staleness 1,2,4 --json b.json
@@ -69,14 +71,35 @@ def _train(argv: list[str]) -> int:
     p.add_argument("--workdir", required=True, help="checkpoints, TensorBoard logs, samples")
     p.add_argument("--time-budget", type=float, help="stop after this many seconds")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--adaptive-pipeline",
+        action="store_true",
+        help="feed batches through paragan_jax.pipeline (adaptive fetch workers and prefetch "
+        "depth under a memory cap); the batches are the same as the default loader's",
+    )
+    p.add_argument(
+        "--emulate-remote",
+        action="store_true",
+        help="with --adaptive-pipeline: fetch through the EMULATED remote store "
+        "(paragan_jax.storage.EmulatedRemoteStorage: seeded latencies, congestion episodes)",
+    )
+    p.add_argument("--remote-seed", type=int, default=0, help="seed of the emulated store")
     p.add_argument("-v", "--verbose", action="store_true")
     args, overrides = p.parse_known_args(argv)
     _setup_logging(args.verbose)
     from .train import Trainer
 
+    if args.emulate_remote and not args.adaptive_pipeline:
+        err = "--emulate-remote needs --adaptive-pipeline"
+        print(f"paragan_jax train: error: {err}", file=sys.stderr)
+        return 2
+    streams: list = []
     try:
         cfg = _load(args, overrides)
-        trainer = Trainer(cfg, args.workdir, progress=not args.no_progress)
+        factory = _pipeline_factory(args, streams) if args.adaptive_pipeline else None
+        trainer = Trainer(
+            cfg, args.workdir, progress=not args.no_progress, batch_iterator_factory=factory
+        )
         summary = trainer.train(time_budget_s=args.time_budget)
     except _user_errors() as e:
         print(f"paragan_jax train: error: {e}", file=sys.stderr)
@@ -88,7 +111,40 @@ def _train(argv: list[str]) -> int:
     print("metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in summary["metrics"].items()))
     print(f"checkpoints: {Path(args.workdir) / 'checkpoints'}")
     print(f"sample grid: {summary['sample_grid']}")
+    if streams:
+        pipe = streams[-1].pipeline
+        print(
+            f"input pipeline: {pipe.controller.workers} workers, prefetch depth "
+            f"{pipe.controller.depth}, peak buffer {pipe.peak_buffer_bytes / 2**10:.1f} KiB "
+            f"(cap {pipe.config.memory_cap_bytes / 2**20:.0f} MiB), input wait "
+            f"{pipe.total_wait_s:.2f} s over {pipe.steps} batches"
+        )
     return 0
+
+
+def _pipeline_factory(args, streams: list):
+    """The Trainer's batch iterator factory for ``--adaptive-pipeline``; records each stream."""
+    from .pipeline import PipelineConfig, trainer_batch_iterator_factory
+
+    wrap = None
+    if args.emulate_remote:
+        from .storage import CongestionEpisodes, EmulatedRemoteStorage
+
+        # Seeded clean/congested periods (means 10 s / 3 s, for the first hour) so the
+        # controller has something to react to.
+        episodes = CongestionEpisodes.seeded(args.remote_seed, 3600.0, 10.0, 3.0)
+
+        def wrap(storage):
+            return EmulatedRemoteStorage(storage, seed=args.remote_seed, episodes=episodes)
+
+    inner = trainer_batch_iterator_factory(PipelineConfig(), wrap_storage=wrap)
+
+    def factory(*a, **kw):
+        stream = inner(*a, **kw)
+        streams.append(stream)
+        return stream
+
+    return factory
 
 
 def _trainer_from_workdir(workdir: str, overrides: list[str]):

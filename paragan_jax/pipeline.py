@@ -427,6 +427,11 @@ class BatchStream(Iterator[Example]):
         self._new_interval(now)
 
     @property
+    def pipeline(self) -> InputPipeline:
+        """The owning pipeline: its controller (workers, depth), counters and trace."""
+        return self._p
+
+    @property
     def position(self) -> tuple[int, int]:
         """``(epoch, batch in epoch)`` of the next batch to be served (resume from it)."""
         with self._lock:

@@ -1,4 +1,4 @@
-"""model.layout in the discriminator."""
+"""model.layout in the discriminator, and ``train --adaptive-pipeline`` on the command line."""
 
 from functools import partial
 
@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from paragan_jax import cli
 from paragan_jax.config import ModelConfig, load_train_config
 from paragan_jax.models import build_models, stem_plan
 from tapas_jax.config import ConfigError
@@ -76,3 +77,25 @@ def test_plan_only_for_rgb_and_cpu_keeps_the_plain_conv():
 def test_bad_layout_names_the_field_and_the_values():
     with pytest.raises(ConfigError, match=r"model\.layout='nchw'.*'auto'.*'none'"):
         load_train_config("tiny", ["model.layout=nchw"])
+
+
+def test_train_rgb_tpu_layout_with_adaptive_pipeline_and_emulated_store(tmp_path, capsys):
+    """One tiny run covers both: training steps with the space-to-depth stem, and the CLI's
+    adaptive pipeline (whose batches equal the default loader's: see test_pipeline)."""
+    work = tmp_path / "run"
+    argv = ["train", "--config", "tiny", "--steps", "3", "--workdir", str(work), "--no-progress"]
+    pipe = ["--adaptive-pipeline", "--emulate-remote", "--remote-seed", "1"]
+    rc = cli.main([*argv, *pipe, "model.channels=3", "model.layout=tpu"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    metrics = next(ln for ln in out.splitlines() if ln.startswith("metrics:"))
+    assert "nan" not in metrics and "inf" not in metrics, metrics
+    assert (work / "samples_step3.png").is_file()
+    assert any((work / "checkpoints").iterdir())
+    line = next(ln for ln in out.splitlines() if ln.startswith("input pipeline:"))
+    assert "workers" in line and "peak buffer" in line and "over 3 batches" in line
+
+
+def test_emulate_remote_needs_the_pipeline(tmp_path, capsys):
+    rc = cli.main(["train", "--workdir", str(tmp_path / "w"), "--emulate-remote"])
+    assert rc == 2 and "--adaptive-pipeline" in capsys.readouterr().err
