@@ -97,6 +97,56 @@ def test_hlo_collectives_are_priced_per_op():
     assert S.hlo_collective_seconds({"all-reduce": 3}, {"all-reduce": 1e6}, 2, 1, hw) == 0.0
 
 
+def test_collective_hops_follow_the_ring_algorithms():
+    counts = {"all-reduce": 2, "all-gather": 1, "all-to-all": 1, "collective-permute": 3}
+    moved = {"all-reduce": 2e6, "all-gather": 0.0, "all-to-all": 0.0, "collective-permute": 30.0}
+    hops, sent = S.hlo_collective_terms(counts, moved, 2, 4)
+    # all-reduce 2(p-1) each, gather and all-to-all p-1, a permute one hop to its neighbour.
+    assert hops == 2 * 6 + 3 + 3 + 3
+    # 2e6 bytes moved by two all-reduces at p=2 are 2e6 of payload; at p=4 each device sends 1.5x.
+    assert sent == pytest.approx(1.5 * 2e6 + 30.0)
+    assert S.hlo_collective_terms(counts, moved, 2, 1) == (0, 0.0)
+    with pytest.raises(ValueError, match="send-recv"):
+        S.hlo_collective_terms({"send-recv": 1}, {}, 2, 2)
+
+
+def test_cpu_check_calibrates_on_two_processes_and_predicts_the_rest(monkeypatch):
+    """The composition, on synthetic measurements made by the model's own law."""
+    t1, util, cores, alpha, bw = 0.02, 1.0, 2, 3e-3, 1e9
+    counts = {
+        2: {"all-reduce": 11, "all-to-all": 3, "collective-permute": 4},
+        4: {"all-reduce": 11, "all-to-all": 3, "collective-permute": 10},
+    }
+    moved = {n: {"all-reduce": 8e5 * (2 * (n - 1) / n)} for n in counts}
+
+    def law(n):
+        if n == 1:
+            return t1
+        hops, sent = S.hlo_collective_terms(counts[n], moved[n], n, n)
+        return t1 * max(1, n * util / cores) + hops * alpha + sent / bw
+
+    def fake_run(processes, steps, rounds, batch):
+        return {
+            "step_times": {str(n): [law(n)] * 4 for n in processes},
+            "cpu_times": {str(n): [util * law(n)] * 4 for n in processes},
+            "collectives": {
+                str(n): {"count": counts[n], "moved_bytes": moved[n]} for n in processes if n > 1
+            },
+            "allreduce_s": {str(v): 2 * 1e-4 + v / bw for v in (4096, 1 << 20, 4 << 20)},
+        }
+
+    monkeypatch.setattr(S, "_run_processes", fake_run)
+    check = S.check_cpu((1, 2, 4), cores=cores)
+    assert check["alpha_s"] == pytest.approx(alpha, rel=1e-6)
+    assert check["alpha_lone_allreduce_s"] == pytest.approx(1e-4, rel=1e-3)
+    roles = {r["processes"]: r["role"] for r in check["rows"]}
+    assert roles == {1: "calibrates t1", 2: "calibrates alpha", 4: "prediction"}
+    for r in check["rows"]:
+        assert r["error"] == pytest.approx(0.0, abs=1e-9), r
+    with pytest.raises(ValueError, match="calibration"):
+        S.check_cpu((1, 4))
+
+
 def test_step_costs_come_from_the_trainers_lowered_programs():
     cfg = S.load_model_config("tiny", 4)
     c = S.measure_step_costs(cfg, "tiny")
@@ -148,5 +198,7 @@ def test_model_reproduces_measured_cpu_processes_within_25_percent():
             "time-slice the processes at every collective, which the model does not describe"
         )
     check = S.check_cpu((1, 2, 4), steps=5, rounds=4)
-    for row in check["rows"]:
+    predictions = [r for r in check["rows"] if r["role"] == "prediction"]
+    assert predictions
+    for row in predictions:
         assert abs(row["error"]) <= 0.25, row
