@@ -104,11 +104,17 @@ def _train(argv: list[str]) -> int:
     except _user_errors() as e:
         print(f"paragan_jax train: error: {e}", file=sys.stderr)
         return 2
-    print(
-        f"trained {cfg.name} ({cfg.scheme}) to step {summary['step']}: "
-        f"{summary['steps_per_sec']:.1f} steps/s, compile {summary['compile_s']:.1f} s"
-    )
-    print("metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in summary["metrics"].items()))
+    if summary["steps_run"] == 0:
+        print(
+            f"{cfg.name} is already at step {summary['step']} in {args.workdir}: nothing to "
+            "train (raise --steps to continue)"
+        )
+    else:
+        print(
+            f"trained {cfg.name} ({cfg.scheme}) to step {summary['step']}: "
+            f"{summary['steps_per_sec']:.1f} steps/s, compile {summary['compile_s']:.1f} s"
+        )
+        print("metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in summary["metrics"].items()))
     print(f"checkpoints: {Path(args.workdir) / 'checkpoints'}")
     print(f"sample grid: {summary['sample_grid']}")
     if streams:

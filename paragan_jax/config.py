@@ -69,10 +69,13 @@ class ModelConfig:
     """Running-average momentum of batch norm in G."""
     dtype: str = "float32"
     """Compute dtype (``float32`` or ``bfloat16``); params are kept in float32."""
-    layout: str = "auto"
+    layout: str = "none"
     """Layout plan of D's first convolution on 3-channel images (`paragan_jax.layout`):
     ``auto`` (`choose_layout` of the default backend), ``tpu``, ``gpu``, ``cpu``, or ``none``
-    (the plain NHWC convolution). Same params and function either way; only the arrays differ."""
+    (the plain NHWC convolution). Same params and function either way; only the arrays differ.
+    Off by default: space-to-depth done on the device inside the whole D forward adds arrays,
+    and the TPU tile model prices the compiled D higher with it (BENCHMARKS.md, layout); it
+    pays on the stem alone with the image transformed on the host."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,10 +31,11 @@ and the whole point here is to change them while training runs):
 
   A fixed pipeline is the same machinery with ``adaptive=False``.
 
-The controller's wait signal assumes the training loop waits for each step's result (as a loop
-that logs its loss does); a loop that dispatches steps ahead should block on an output before
-calling ``next()``, or the wait also counts device time. `trainer_batch_iterator_factory` puts
-the pipeline behind `paragan_jax.train.Trainer`'s loader seam with the trainer's exact batches.
+The controller's wait signal assumes the training loop keeps at most one step in flight (it
+blocks on step i-1's output before asking for step i+1's batch, as `paragan_jax.train.Trainer`
+does); a loop that dispatches many steps ahead drains the buffer at dispatch speed, and the wait
+then counts queued device time. `trainer_batch_iterator_factory` puts the pipeline behind the
+Trainer's loader seam with the trainer's exact batches.
 """
 
 from __future__ import annotations

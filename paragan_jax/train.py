@@ -660,10 +660,17 @@ class Trainer:
             dynamic_ncols=True,
         )
         try:
+            in_flight = None
             for step in range(start, total):
                 batches = [next(loader) for _ in range(cfg.n_disc)]
                 position += cfg.n_disc
                 metrics = runner.run_step(batches)
+                # At most one step in flight: the host prepares step i+1 while step i runs,
+                # but never races further ahead, so a loader's wait for input measures input
+                # stalls rather than queued device work (what the adaptive pipeline reads).
+                if in_flight is not None:
+                    jax.block_until_ready(in_flight)
+                in_flight = metrics
                 done = step + 1
                 if writer is not None and (done % cfg.eval.log_every == 0 or done == total):
                     scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
