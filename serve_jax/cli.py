@@ -127,14 +127,21 @@ def _bench(argv: list[str]) -> int:
     p.add_argument("--model", default=None, help="model id (default: the server's first)")
     p.add_argument(
         "--micro",
-        choices=["decode", "offload"],
+        choices=["decode", "offload", "generate"],
         default=None,
         help="step-time benchmark instead of HTTP load",
     )
-    p.add_argument("--preset", default="small", help="model preset for --micro")
+    p.add_argument("--preset", default="small", help="model preset for --micro decode|offload")
+    p.add_argument(
+        "--engine-config",
+        default="cpu_demo",
+        help="engine preset or YAML for --micro generate",
+    )
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=256)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument(
+        "--steps", type=int, default=20, help="timed steps (--micro generate: new tokens)"
+    )
     p.add_argument("--dtype", default="float32", help="model dtype for --micro decode")
     p.add_argument(
         "--hardware",
@@ -146,7 +153,22 @@ def _bench(argv: list[str]) -> int:
     if args.micro:
         from serve_jax import loadgen
 
-        if args.micro == "decode":
+        if args.micro == "generate":
+            res = loadgen.generate_benchmark(
+                args.engine_config, args.batch, args.context, args.steps, rounds=3
+            )
+            print(f"{'round':<8}{'first token s':>15}{'decode s':>10}{'decode tok/s':>14}")
+            for i, r in enumerate(res["rounds"]):
+                print(
+                    f"{i:<8}{r['first_token_s']:>15.2f}{r['decode_s']:>10.2f}"
+                    f"{r['decode_tok_s']:>14.0f}"
+                )
+            print(
+                f"Engine ({res['engine_config']}, {res['preset']}): batch {res['batch']}, "
+                f"prompt {res['context']}, {res['new_tokens']} new tokens: "
+                f"{res['decode_tok_s_median']:.0f} decode tok/s median"
+            )
+        elif args.micro == "decode":
             res = loadgen.decode_step_benchmark(
                 args.preset,
                 args.batch,

@@ -94,18 +94,39 @@ def pad_pow2(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
-def paged_step(graphdef, params, k_pool, v_pool, tokens, positions, valid, tables, last, *sampling):
-    """One forward over a padded batch: write K/V pages, attend, sample a token per row.
-
-    Module-level (graphdef static) so engines serving the same architecture share compilations.
-    """
+def _paged_step(
+    graphdef, params, k_pool, v_pool, tokens, positions, valid, tables, last, *sampling
+):
     model = nnx.merge(graphdef, params)
     view = PagedKVView(k_pool, v_pool, tables, positions, valid)
     h = model.hidden(tokens, positions, view)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
     next_tokens = sample_tokens(model.logits(h_last), *sampling)
     return next_tokens, view.k_pool, view.v_pool
+
+
+paged_step = jax.jit(_paged_step, static_argnums=(0,), donate_argnums=(2, 3))
+"""One forward over a padded batch: write K/V pages, attend, sample a token per row.
+
+``paged_step(graphdef, params, k_pool, v_pool, tokens, positions, valid, tables, last,
+temperature, top_p, seeds, counters) -> (next_tokens, k_pool, v_pool)``; the pools are donated.
+"""
+
+
+@functools.cache
+def flat_paged_step(graphdef, treedef):
+    """`paged_step` taking the weights as a flat list of arrays (``jax.tree.leaves(params)``).
+
+    What the executor calls every step: ``graphdef`` is bound here, hashed once, and a list of
+    arrays is the cheapest argument for jit's dispatch path, where an `nnx.State` is flattened
+    and a `GraphDef` static argument hashed on every call (about 5 ms per step for the `small`
+    preset on a CPU). Cached per architecture, so engines serving the same one share compiles.
+    """
+
+    def step(leaves, k_pool, v_pool, *arrays):
+        return _paged_step(graphdef, jax.tree.unflatten(treedef, leaves), k_pool, v_pool, *arrays)
+
+    return jax.jit(step, donate_argnums=(1, 2))
 
 
 class JaxExecutor:
@@ -169,6 +190,9 @@ class JaxExecutor:
             kv_spec = "model" if tp > 1 and self.cfg.n_kv_heads % tp == 0 else None
             pool_sharding = NamedSharding(mesh, PartitionSpec(None, kv_spec, None, None))
         self.params = jax.device_put(params, param_shardings)
+        leaves, treedef = jax.tree.flatten(self.params)
+        self._leaves = leaves
+        self._step = flat_paged_step(graphdef, treedef)
         self.pool_sharding = pool_sharding
         self.k_pool, self.v_pool = make_kv_pools(
             self.cfg, num_device_blocks, block_size, sharding=pool_sharding
@@ -210,9 +234,7 @@ class JaxExecutor:
 
     def _dispatch(self, chunks, tables) -> jax.Array:
         args = jax.device_put(list(self._arrays(chunks, tables)), self._replicated)
-        toks, self.k_pool, self.v_pool = paged_step(
-            self.graphdef, self.params, self.k_pool, self.v_pool, *args
-        )
+        toks, self.k_pool, self.v_pool = self._step(self._leaves, self.k_pool, self.v_pool, *args)
         return toks
 
     def warmup(self, max_num_seqs: int, max_chunk: int) -> int:
@@ -244,12 +266,8 @@ class JaxExecutor:
                 np.zeros((b,), np.int32),
                 np.zeros((b,), np.int32),
             ]
-            toks, self.k_pool, self.v_pool = paged_step(
-                self.graphdef,
-                self.params,
-                self.k_pool,
-                self.v_pool,
-                *jax.device_put(args, self._replicated),
+            toks, self.k_pool, self.v_pool = self._step(
+                self._leaves, self.k_pool, self.v_pool, *jax.device_put(args, self._replicated)
             )
             toks.block_until_ready()
         return len(shapes)

@@ -6,6 +6,8 @@
   timing each streamed token on the client (what vLLM's ``benchmark_serving`` measures).
 * `decode_step_benchmark` / `offload_overlap_benchmark`: step-time comparisons for BENCHMARKS.md
   (paged against dense decode; decode with a 10%-of-pages offload in flight against none).
+* `generate_benchmark`: the whole Engine generating for a fixed batch of prompts, timed the way
+  the Hugging Face ``generate`` peer is (``scripts/hf_generate_baseline.py``, same shape).
 
 Prompts are random token ids of the trace's length; outputs are forced to the trace's length
 (``ignore_eos``), as benchmark harnesses do with prompt-less traces.
@@ -28,6 +30,7 @@ __all__ = [
     "replay_trace",
     "http_bench",
     "decode_step_benchmark",
+    "generate_benchmark",
     "offload_overlap_benchmark",
 ]
 
@@ -169,6 +172,68 @@ def _time_loop(fn, steps: int, warmup: int = 2) -> list[float]:
     return out
 
 
+def generate_benchmark(
+    config: str = "cpu_demo",
+    batch: int = 16,
+    context: int = 256,
+    new_tokens: int = 64,
+    rounds: int = 3,
+    overrides: tuple[str, ...] = (),
+) -> dict:
+    """Decode tokens/s of the whole Engine (scheduler, paged executor, detokenizer) on a batch.
+
+    ``batch`` prompts of ``context`` random token ids are generated greedily to ``1`` and to
+    ``new_tokens + 1`` output tokens (EOS ignored); decode tok/s is
+    ``batch * new_tokens / (t(new_tokens + 1) - t(1))``, so prefill and first-token cost cancel.
+    This is how ``scripts/hf_generate_baseline.py`` times Hugging Face ``generate``.
+    """
+    from serve_jax.config import load_engine_config
+    from serve_jax.engine import Engine
+    from serve_jax.sampling import SamplingParams
+
+    if batch < 1 or context < 1 or new_tokens < 1 or rounds < 1:
+        raise ValueError("batch, context, new_tokens and rounds must be >= 1")
+    engine = Engine(load_engine_config(config, overrides))
+    engine.warmup()
+    cfg = engine.model_config
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, context)] for _ in range(batch)]
+
+    def run(n: int) -> float:
+        t = time.perf_counter()
+        outs = engine.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+        elapsed = time.perf_counter() - t
+        got = [len(o.token_ids) for o in outs]
+        if got != [n] * batch:
+            raise RuntimeError(f"expected {n} tokens per request, got {got}")
+        return elapsed
+
+    run(2)  # compile anything the warm-up did not
+    rows = []
+    for _ in range(rounds):
+        t1, tn = run(1), run(new_tokens + 1)
+        rows.append(
+            {
+                "first_token_s": t1,
+                "decode_s": tn - t1,
+                "decode_tok_s": batch * new_tokens / (tn - t1),
+            }
+        )
+    tok_s = [r["decode_tok_s"] for r in rows]
+    return {
+        "engine_config": config,
+        "preset": engine.config.model.preset,
+        "d_model": cfg.d_model,
+        "n_layers": cfg.n_layers,
+        "batch": batch,
+        "context": context,
+        "new_tokens": new_tokens,
+        "rounds": rows,
+        "decode_tok_s_median": float(np.median(tok_s)),
+        "decode_tok_s_best": float(max(tok_s)),
+    }
+
+
 def decode_step_benchmark(
     preset: str = "small",
     batch: int = 16,
@@ -193,7 +258,7 @@ def decode_step_benchmark(
     import jax.numpy as jnp
     from flax import nnx
 
-    from serve_jax.executor import paged_step
+    from serve_jax.executor import flat_paged_step
     from serve_jax.kv_cache import DenseKVView, make_kv_pools
     from serve_jax.model import count_params, get_model_config, init_model
     from serve_jax.sampling import sample_tokens
@@ -214,9 +279,12 @@ def decode_step_benchmark(
     valid = jnp.ones((batch, 1), bool)
     last = jnp.zeros((batch,), jnp.int32)
 
-    @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
-    def dense_decode(graphdef, params, k, v, tokens, positions, ctr):
-        m = nnx.merge(graphdef, params)
+    leaves, treedef = jax.tree.flatten(params)
+    paged_step = flat_paged_step(graphdef, treedef)  # what the executor runs
+
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def dense_decode(leaves, k, v, tokens, positions, ctr):
+        m = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         view = DenseKVView(k, v, positions, valid)
         h = m.hidden(tokens, positions, view)
         toks = sample_tokens(m.logits(h[:, 0]), temp, top_p, seeds, ctr)
@@ -230,8 +298,7 @@ def decode_step_benchmark(
         ctr = jnp.full((batch,), state["pos"], jnp.int32)
         k, v = pools["paged"]
         toks, k, v = paged_step(
-            graphdef,
-            params,
+            leaves,
             k,
             v,
             state["tok"],
@@ -251,7 +318,7 @@ def decode_step_benchmark(
         pos = jnp.full((batch, 1), state["pos"], jnp.int32)
         ctr = jnp.full((batch,), state["pos"], jnp.int32)
         k, v = pools["dense"]
-        toks, k, v = dense_decode(graphdef, params, k, v, state["tok"], pos, ctr)
+        toks, k, v = dense_decode(leaves, k, v, state["tok"], pos, ctr)
         pools["dense"] = (k, v)
         np.asarray(toks)
 

@@ -72,6 +72,17 @@ def sample_tokens(
       [B] int32 token ids.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # An all-greedy batch (the common serving case) skips the vocabulary sort and the noise;
+    # rows sample the same tokens either way, so a request's output does not depend on its batch.
+    return jax.lax.cond(
+        jnp.any(temperature > 0),
+        lambda: _sample(logits, temperature, top_p, seeds, counters, greedy),
+        lambda: greedy,
+    )
+
+
+def _sample(logits, temperature, top_p, seeds, counters, greedy):
+    """Temperature and top-p (nucleus) sampling per row; greedy rows keep the argmax."""
     safe_t = jnp.where(temperature > 0, temperature, 1.0)
     scaled = logits / safe_t[:, None]
     order = jnp.argsort(-scaled, axis=-1)

@@ -156,6 +156,34 @@ def test_sampling_is_reproducible_and_independent_of_batch(model):
     assert make_engine(model).generate([prompt], narrow)[0].token_ids == greedy[:8]
 
 
+def test_greedy_rows_beside_a_sampled_row_stay_greedy(model):
+    """The all-greedy fast path and the sampling path give greedy rows the same tokens."""
+    sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=11, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = random_prompts(random.Random(5), 3)
+    eng = make_engine(model)
+    ids = [eng.add_request(p, sp) for p, sp in zip(prompts, (greedy, sampled, greedy))]
+    done = {}
+    while eng.has_work():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    all_greedy = make_engine(model).generate(prompts, greedy)
+    assert done[ids[0]].token_ids == all_greedy[0].token_ids
+    assert done[ids[2]].token_ids == all_greedy[2].token_ids
+    alone = make_engine(model).generate([prompts[1]], sampled)[0].token_ids
+    assert done[ids[1]].token_ids == alone
+
+
+def test_generate_benchmark_times_the_engine_like_the_hf_baseline():
+    from serve_jax.loadgen import generate_benchmark
+
+    # Each run checks every request got exactly the tokens asked for (else RuntimeError).
+    res = generate_benchmark("tiny_cpu", batch=2, context=8, new_tokens=8, rounds=1)
+    assert res["batch"] == 2 and res["new_tokens"] == 8 and len(res["rounds"]) == 1
+    assert res["rounds"][0]["first_token_s"] > 0
+    with pytest.raises(ValueError, match="new_tokens"):
+        generate_benchmark("tiny_cpu", new_tokens=0)
+
+
 def test_stop_strings_abort_and_streaming_text(model):
     eng = make_engine(model)
     full = eng.generate(["hello"], SamplingParams(max_tokens=12, ignore_eos=True))[0]
