@@ -25,6 +25,7 @@ import dataclasses
 import math
 import warnings
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 
@@ -100,7 +101,7 @@ class Problem:
             u, v = key
             a = t[:, :1]
             b = t[:1, :] - t[0, 0]
-            if np.allclose(t, a + b, rtol=0, atol=1e-15):
+            if np.all(np.abs(t - (a + b)) <= 1e-15):  # allclose(rtol=0, atol=1e-15), finite
                 bb = self.edge_bytes.pop(key)
                 del self.edges[key]
                 self.comm[u] += a[:, 0]
@@ -177,6 +178,16 @@ def _table(specs: list[Spec]) -> tuple[list[Spec], np.ndarray]:
     return list(index), idx
 
 
+class _Rule(NamedTuple):
+    """An equation's strategies, priced, with the spec tables of its results and operands."""
+
+    size: int
+    price: np.ndarray
+    """Per strategy: compute seconds, comm seconds, then bytes moved by collective kind."""
+    outs: list[tuple[list[Spec], np.ndarray]]
+    ins: list[tuple[list[Spec], np.ndarray] | None]
+
+
 class _Costs:
     def __init__(self, axes: MeshAxes, hw: HardwareProfile):
         self.axes, self.hw = axes, hw
@@ -204,6 +215,19 @@ class _Costs:
         return hit
 
 
+def _reshard_table(
+    costs: _Costs, src: list[Spec], dst: list[Spec], shape, itemsize: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Seconds and bytes by kind to turn each layout of `src` into each of `dst`; None if free."""
+    t = np.zeros((len(src), len(dst)))
+    b = np.zeros((len(src), len(dst), len(KINDS)))
+    for i, s in enumerate(src):
+        for j, d in enumerate(dst):
+            if s != d:
+                t[i, j], b[i, j] = costs.reshard(s, d, shape, itemsize)
+    return (t, b) if t.any() else None
+
+
 def _peak_live(graph: Graph, constant: list[bool]) -> np.ndarray:
     """Intermediate variables live at the peak of the program order (replicated sizes).
 
@@ -217,9 +241,8 @@ def _peak_live(graph: Graph, constant: list[bool]) -> np.ndarray:
     outs = np.array([v for v in graph.outputs if v is not None], dtype=np.int64)
     if outs.size:
         last[outs] = n_eqns
-    nbytes = np.array(
-        [math.prod(s) * d.itemsize for s, d in zip(graph.shapes, graph.dtypes)], dtype=np.float64
-    )
+    itemsize = np.fromiter((d.itemsize for d in graph.dtypes), np.float64, graph.num_vars)
+    nbytes = np.fromiter(map(math.prod, graph.shapes), np.float64, graph.num_vars) * itemsize
     inter = (producer >= 0) & (last >= 0) & ~np.asarray(constant, dtype=bool)
     alloc = np.bincount(producer[inter], weights=nbytes[inter], minlength=n_eqns + 1)
     # a variable is freed after its last reader runs
@@ -257,7 +280,7 @@ def build_problem(
     axes = MeshAxes(mesh_axes)
     costs = _Costs(axes, hardware)
     fold = folding if folding is not None else no_folding(graph)
-    rep_var, rep_eqn, count = fold.rep_var.tolist(), fold.rep_eqn.tolist(), fold.count.tolist()
+    rep_var, count = fold.rep_var.tolist(), fold.count.tolist()
     prob = Problem()
     owner: dict[int, int] = {}
     table: dict[int, tuple[list[Spec], np.ndarray]] = {}
@@ -268,20 +291,14 @@ def build_problem(
     const = constant_vars(graph)
     # Equations with equal local hashes have equal rules: evaluate each rule once.
     sig = fold.hashes if fold.hashes is not None else local_hashes(graph)
-    rule_cache: dict = {}
+    follow_cache: dict = {}
 
     def follow_cached(e, i, k, spec):
         key = (sig[i], k, spec)
-        hit = rule_cache.get(key)
+        hit = follow_cache.get(key)
         if hit is None:
-            hit = rule_cache[key] = follow(e, graph, k, spec, axes)
+            hit = follow_cache[key] = follow(e, graph, k, spec, axes)
         return hit
-
-    def leader_cached(e, i):
-        key = (sig[i], "leader")
-        if key not in rule_cache:
-            rule_cache[key] = leader_strategies(e, graph, axes)
-        return rule_cache[key]
 
     if batch_axis is not None and batch_axis in axes.sizes:
         bd = batch_dims(
@@ -305,85 +322,113 @@ def build_problem(
         ]
         return ok or strategies
 
-    def add_costs(node: int, strategies: list[Strategy], idx: np.ndarray, mult: float) -> None:
-        c = np.empty(len(strategies))
-        t = np.empty(len(strategies))
-        b = np.empty((len(strategies), len(KINDS)))
-        for i, s in enumerate(strategies):
-            c[i], t[i], b[i] = costs.strategy(s)
-        prob.compute[node] += mult * c[idx]
-        prob.comm[node] += mult * t[idx]
-        prob.comm_bytes[node] += mult * b[idx]
+    def priced(strategies: list[Strategy], eqn) -> _Rule:
+        price = np.empty((len(strategies), 2 + len(KINDS)))
+        for j, s in enumerate(strategies):
+            price[j, 0], price[j, 1], price[j, 2:] = costs.strategy(s)
+        outs = [_table([s.out_specs[o] for s in strategies]) for o in range(len(eqn.outvars))]
+        ins = [
+            None if v is None else _table([s.in_specs[kk] for s in strategies])
+            for kk, v in enumerate(eqn.invars)
+        ]
+        return _Rule(len(strategies), price, outs, ins)
 
-    for v, a in zip(graph.inputs, graph.input_args):
+    leader_cache: dict = {}
+
+    def leader_rule(e, i: int, k: int | None) -> _Rule:
+        if sig[i] not in leader_cache:
+            leader_cache[sig[i]] = leader_strategies(e, graph, axes)
+        strategies = leader_cache[sig[i]]
+        if strategies is None and k is not None:
+            strategies = free_strategies(e, graph, k, axes)
+        if strategies is None:
+            strategies = [replicated(e, graph)]
+        return priced(keep(strategies, e), e)
+
+    price: list[np.ndarray] = []  # per node, the sum of its equations' `_Rule.price` rows
+    for v, a, path in zip(graph.inputs, graph.input_args, graph.input_paths):
         if rep_var[v] != v:
             continue
         specs = candidate_specs(shapes[v], axes)
         if bd is not None and a != param_arg:
             specs = [s for s in specs if batch_ok(s, bd[v], batch_axis)] or specs
-        n = prob.add_node(len(specs), graph.input_paths[graph.inputs.index(v)])
+        n = prob.add_node(len(specs), path)
+        price.append(np.zeros((len(specs), 2 + len(KINDS))))
         owner[v] = n
         table[v] = _table(specs)
 
-    for i, e in enumerate(graph.eqns):
-        if rep_eqn[i] != i:
-            continue
+    # Equations with equal local hashes have equal rules, so a rule's priced strategies and the
+    # spec tables they induce are computed once per local hash and what else the rule reads:
+    # the followed operand's table (followers) or the batch dimensions (leaders).
+    rules: dict[tuple, _Rule] = {}
+    for i in np.flatnonzero(fold.rep_eqn == np.arange(len(graph.eqns))).tolist():
+        e = graph.eqns[i]
         mult = float(count[i])
         k = follow_operand(e, graph, const)
         w = None if k is None else int(rep_var[e.invars[k]])
         if k is not None and w in owner:
             node = owner[w]
             uniq, idx = table[w]
-            strategies = [follow_cached(e, i, k, s) for s in uniq]
-            add_costs(node, strategies, idx, mult)
+            key = ("follow", sig[i], k, tuple(uniq))
+            rule = rules.get(key)
+            if rule is None:
+                rule = rules[key] = priced([follow_cached(e, i, k, s) for s in uniq], e)
+            price[node] += mult * rule.price[idx]
         else:
-            strategies = leader_cached(e, i)
-            if strategies is None and k is not None:
-                strategies = free_strategies(e, graph, k, axes)
-            if strategies is None:
-                if not has_rule(e.prim):
-                    unknown.add(e.prim)
-                strategies = [replicated(e, graph)]
-            strategies = keep(strategies, e)
-            node = prob.add_node(len(strategies), f"{e.prim}#{i}")
-            idx = np.arange(len(strategies))
-            add_costs(node, strategies, idx, mult)
+            batch = (
+                None
+                if bd is None
+                else tuple(bd[v] for v in (*e.outvars, *e.invars) if v is not None)
+            )
+            key = ("lead", sig[i], k, batch)
+            rule = rules.get(key)
+            if rule is None:
+                rule = rules[key] = leader_rule(e, i, k)
+            if not has_rule(e.prim):
+                unknown.add(e.prim)
+            node = prob.add_node(rule.size, f"{e.prim}#{i}")
+            price.append(mult * rule.price)
+            idx = None
         leader[i] = node
-        for o, v in enumerate(e.outvars):
-            uniq, sub = _table([s.out_specs[o] for s in strategies])
+        for v, (uniq, sub) in zip(e.outvars, rule.outs):
             owner[v] = node
-            table[v] = (uniq, sub[idx])
-        for kk, v in enumerate(e.invars):
-            if v is not None:
-                uniq, sub = _table([s.in_specs[kk] for s in strategies])
-                req[(i, kk)] = (uniq, sub[idx])
+            table[v] = (uniq, sub if idx is None else sub[idx])
+        for kk, t in enumerate(rule.ins):
+            if t is not None:
+                req[(i, kk)] = (t[0], t[1] if idx is None else t[1][idx])
+
+    for node, p in enumerate(price):
+        prob.compute[node] += p[:, 0]
+        prob.comm[node] += p[:, 1]
+        prob.comm_bytes[node] += p[:, 2:]
 
     # Edges: every operand read of every equation, keyed by representatives.
     eq_idx, var_idx, pos_idx, weight = graph.operand_arrays()
-    keys = np.stack([fold.rep_var[var_idx], fold.rep_eqn[eq_idx], pos_idx], axis=1)
-    uniq_keys, inverse = np.unique(keys, axis=0, return_inverse=True)
+    n_eqns, n_pos = len(graph.eqns), int(pos_idx.max(initial=0)) + 1
+    keys = (fold.rep_var[var_idx] * n_eqns + fold.rep_eqn[eq_idx]) * n_pos + pos_idx
+    uniq_keys, inverse = np.unique(keys, return_inverse=True)
     counts = np.bincount(inverse.ravel(), weights=weight, minlength=len(uniq_keys))
-    reads = {tuple(k): float(c) for k, c in zip(uniq_keys.tolist(), counts.tolist())}
-    for (w, r, kk), c in reads.items():
+    resharding: dict[tuple, tuple[np.ndarray, np.ndarray] | None] = {}
+    for key, c in zip(uniq_keys.tolist(), counts.tolist()):
+        w, rest = divmod(key, n_eqns * n_pos)
+        r, kk = divmod(rest, n_pos)
         src_uniq, src_idx = table[w]
         dst_uniq, dst_idx = req[(r, kk)]
         shape, item = shapes[w], dtypes[w].itemsize
-        t_small = np.zeros((len(src_uniq), len(dst_uniq)))
-        b_small = np.zeros((len(src_uniq), len(dst_uniq), len(KINDS)))
-        for a, s in enumerate(src_uniq):
-            for bb, d in enumerate(dst_uniq):
-                if s != d:
-                    t_small[a, bb], b_small[a, bb] = costs.reshard(s, d, shape, item)
-        if not t_small.any():
+        rkey = (tuple(src_uniq), tuple(dst_uniq), shape, item)
+        if rkey not in resharding:
+            resharding[rkey] = _reshard_table(costs, src_uniq, dst_uniq, shape, item)
+        small = resharding[rkey]
+        if small is None:  # no layout pair costs anything
             continue
+        t_small, b_small = small
         u, n = owner[w], leader[r]
         if u == n:
             prob.comm[u] += c * t_small[src_idx, dst_idx]
             prob.comm_bytes[u] += c * b_small[src_idx, dst_idx]
         else:
-            prob.add_edge(
-                u, n, c * t_small[np.ix_(src_idx, dst_idx)], c * b_small[np.ix_(src_idx, dst_idx)]
-            )
+            rows, cols = src_idx[:, None], dst_idx[None, :]
+            prob.add_edge(u, n, c * t_small[rows, cols], c * b_small[rows, cols])
 
     # Memory: params (+ optimizer state) and the activations live at the peak.
     mem_vars: Counter = Counter()

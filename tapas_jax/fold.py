@@ -22,7 +22,7 @@ import enum
 
 import numpy as np
 
-from .graph import Eqn, Graph
+from .graph import Graph
 
 __all__ = ["Block", "Folding", "fold_repeated_blocks", "no_folding", "local_hashes"]
 
@@ -84,17 +84,14 @@ def _param_key(v) -> str:
     return type(v).__name__
 
 
-def _params_key(params: dict) -> tuple:
-    # A primitive binds its params in a fixed order, so no sorting is needed.
-    items = tuple(params.items())
-    try:
-        hash(items)
-        return items
-    except TypeError:  # an array-valued param (constants): describe it by shape and dtype
-        return tuple((k, _param_key(v)) for k, v in items)
+def _described_params(params: dict) -> tuple:
+    """Params as a hashable key, array-valued ones (constants) described by shape and dtype."""
+    return tuple((k, _param_key(v)) for k, v in params.items())
 
 
 def _literal_key(lit) -> tuple:
+    if isinstance(lit, np.generic):  # the usual literal: a NumPy scalar
+        return ("lit", lit.dtype.str, lit.item())
     a = np.asarray(lit)
     if a.size == 1:
         return ("lit", a.dtype.str, a.item())
@@ -112,27 +109,73 @@ def graph_hash(graph: Graph) -> int:
 
 
 def local_hashes(graph: Graph) -> np.ndarray:
-    """One integer per equation: primitive, parameters, operand and result avals."""
-    out = np.empty(len(graph.eqns), dtype=np.int64)
-    cache: dict[tuple, int] = {}
-    shapes, dtypes = graph.shapes, graph.dtypes
-    for i, e in enumerate(graph.eqns):
-        key = (
-            e.prim,
-            _params_key(e.params),
-            tuple(
-                (shapes[v], dtypes[v]) if v is not None else _literal_key(lit)
-                for v, lit in zip(e.invars, e.literals)
-            ),
-            tuple((shapes[v], dtypes[v]) for v in e.outvars),
-            graph_hash(e.body) if e.body is not None else 0,
-            e.weight,
-        )
-        h = cache.get(key)
-        if h is None:
-            h = cache[key] = len(cache) + 1
-        out[i] = h
-    return out
+    """One integer per equation: primitive, parameters, operand and result avals.
+
+    Equal integers mean equal keys (numbered from 1 in order of first appearance), not just
+    equal hashes. Only the primitive and parameters are keyed equation by equation; operands
+    and results are keyed in bulk, as one row of integers per equation.
+    """
+    eqns = graph.eqns
+    n = len(eqns)
+    aval_ids: dict = {}
+    aval = np.fromiter(
+        (aval_ids.setdefault(a, len(aval_ids)) for a in zip(graph.shapes, graph.dtypes)),
+        np.int64,
+        graph.num_vars,
+    )
+    head_ids: dict[tuple, int] = {}
+    head = np.empty(n, dtype=np.int64)
+    for i, e in enumerate(eqns):
+        body = graph_hash(e.body) if e.body is not None else 0
+        # A primitive binds its params in a fixed order, so no sorting is needed.
+        key = (e.prim, tuple(e.params.items()), body, e.weight)
+        try:
+            head[i] = head_ids.setdefault(key, len(head_ids))
+        except TypeError:  # an array-valued param (constants)
+            key = (e.prim, _described_params(e.params), body, e.weight)
+            head[i] = head_ids.setdefault(key, len(head_ids))
+    # Operands: the aval id of a variable, -2 - (literal id) for a literal; -1 pads the rows.
+    eq, var, pos = graph.operand_slots()
+    code = aval[var]
+    lit = np.flatnonzero(var < 0)
+    if lit.size:
+        lit_ids: dict[tuple, int] = {}
+        keys = [
+            _literal_key(eqns[i].literals[k]) for i, k in zip(eq[lit].tolist(), pos[lit].tolist())
+        ]
+        code[lit] = [-2 - lit_ids.setdefault(k, len(lit_ids)) for k in keys]
+    res_eq, res_var, res_pos = graph.result_arrays()
+    width_in = int(pos.max(initial=-1)) + 1
+    width_out = int(res_pos.max(initial=-1)) + 1
+    rows = np.full((n, 3 + width_in + width_out), -1, dtype=np.int64)
+    rows[:, 0] = head
+    rows[:, 1] = np.bincount(eq, minlength=n)
+    rows[:, 2] = np.bincount(res_eq, minlength=n)
+    rows[eq, 3 + pos] = code
+    rows[res_eq, 3 + width_in + res_pos] = aval[res_var]
+    return _row_ids(rows)
+
+
+def _row_ids(rows: np.ndarray) -> np.ndarray:
+    """Equal ids for equal rows of an integer matrix, numbered from 1 by first appearance.
+
+    Each row becomes one exact integer (mixed radix over the columns, re-numbered densely
+    whenever the next column would overflow), which sorts far faster than rows do.
+    """
+    key = np.zeros(len(rows), dtype=np.int64)
+    radix = 1
+    for col in rows.T:
+        col = col - col.min(initial=0)
+        span = int(col.max(initial=0)) + 1
+        if radix * span >= 2**62:
+            _, key = np.unique(key, return_inverse=True)
+            radix = int(key.max(initial=0)) + 1
+        key = key * span + col
+        radix *= span
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    rank = np.empty(len(first), dtype=np.int64)
+    rank[np.argsort(first)] = np.arange(1, len(first) + 1)
+    return rank[inverse]
 
 
 def _longest_run(mask: np.ndarray) -> tuple[int, int]:
@@ -156,47 +199,37 @@ def _candidate_periods(seg: np.ndarray, min_period: int) -> list[int]:
     return [int(g) for g in gaps if g >= min_period and g <= len(seg) // 2]
 
 
-def _wiring(eqns: list[Eqn], producer: list[int], start: int, period: int, copy: int):
-    base = start + copy * period
-    sig = []
-    for j in range(period):
-        e = eqns[base + j]
-        row = []
-        for v in e.invars:
-            if v is None:
-                row.append(("lit",))
-                continue
-            p = producer[v]
-            if base <= p < base + period:
-                row.append(("in", p - base, e_out_index(eqns[p], v)))
-            elif base - period <= p < base and copy > 0:
-                row.append(("prev", p - base + period, e_out_index(eqns[p], v)))
-            else:
-                row.append(("ext",))
-        sig.append(tuple(row))
-    return sig
+def _copies_wired_alike(graph: Graph, start: int, period: int, copies: int) -> int:
+    """How many leading copies of a tandem repeat read their operands alike (0 if fewer than 2).
 
-
-def e_out_index(e: Eqn, v: int) -> int:
-    return e.outvars.index(v)
-
-
-def _valid(eqns, producer, start, period, copies) -> bool:
+    Every operand gets a wiring code: the result (position relative to its copy, result index)
+    it reads when that lies in the same copy or the previous one, else 0 ("external"). Copies
+    2, 3, ... must match copy 1 exactly; copy 0 may read from outside where copy 1 reads from
+    the previous copy. Equal local hashes give every copy the same operands, position by
+    position, so the codes of each copy line up.
+    """
     if copies < 2:
-        return False
-    ref = _wiring(eqns, producer, start, period, 1)
-    for c in range(2, copies):
-        if _wiring(eqns, producer, start, period, c) != ref:
-            return False
-    first = _wiring(eqns, producer, start, period, 0)
-    for a, b in zip(first, ref):
-        for x, y in zip(a, b):
-            if x != y and not (y[0] == "prev" and x[0] == "ext"):
-                return False
-    return True
+        return 0
+    eq, var, _, _ = graph.operand_arrays()
+    bounds = np.searchsorted(eq, start + period * np.arange(copies + 1))
+    if np.any(np.diff(bounds) != bounds[1] - bounds[0]):
+        return 0  # not a tandem repeat of equal local hashes
+    eq, var = eq[bounds[0] : bounds[-1]], var[bounds[0] : bounds[-1]]
+    copy = (eq - start) // period
+    rel = graph.producer_array()[var] - (start + copy * period)
+    local = (rel < period) & (rel >= np.where(copy > 0, -period, 0))
+    position = graph.result_position_array()[var]
+    stride = int(position.max(initial=0)) + 1
+    code = np.where(local, (rel + period) * stride + position + 1, 0).reshape(copies, -1)
+    ref = code[1]
+    ref_prev = (local & (rel < 0)).reshape(copies, -1)[1]
+    if not np.all((code[0] == ref) | ((code[0] == 0) & ref_prev)):
+        return 0
+    differs = np.flatnonzero((code[2:] != ref).any(axis=1))
+    return int(differs[0]) + 2 if differs.size else copies
 
 
-def _find(hashes, eqns, producer, lo, hi, min_period, out: list[Block]) -> None:
+def _find(graph: Graph, hashes, lo, hi, min_period, out: list[Block]) -> None:
     seg = hashes[lo:hi]
     if len(seg) < 2 * min_period:
         return
@@ -210,12 +243,11 @@ def _find(hashes, eqns, producer, lo, hi, min_period, out: list[Block]) -> None:
     for _covered, neg_p, s, copies in scored[:16]:
         period = -neg_p
         start = lo + s
-        while copies >= 2 and not _valid(eqns, producer, start, period, copies):
-            copies -= 1
+        copies = _copies_wired_alike(graph, start, period, copies)
         if copies >= 2:
             out.append(Block(start, period, copies))
-            _find(hashes, eqns, producer, lo, start, min_period, out)
-            _find(hashes, eqns, producer, start + copies * period, hi, min_period, out)
+            _find(graph, hashes, lo, start, min_period, out)
+            _find(graph, hashes, start + copies * period, hi, min_period, out)
             return
 
 
@@ -237,46 +269,41 @@ def fold_repeated_blocks(graph: Graph, min_period: int = MIN_PERIOD) -> Folding:
       A `Folding`; without repeats it is the identity.
     """
     eqns = graph.eqns
-    producer = graph.producers()
     hashes = local_hashes(graph)
     blocks: list[Block] = []
-    _find(hashes, eqns, producer, 0, len(eqns), min_period, blocks)
+    _find(graph, hashes, 0, len(eqns), min_period, blocks)
     blocks.sort(key=lambda b: b.start)
     fold = no_folding(graph)
     rep_eqn, rep_var, count = fold.rep_eqn, fold.rep_var, fold.count
     for b in blocks:
-        rep_base = b.start + b.period
-        for c in range(b.copies):
-            base = b.start + c * b.period
-            for j in range(b.period):
-                i, r = base + j, rep_base + j
-                rep_eqn[i] = r
-                count[i] = 0
-                for v, w in zip(eqns[i].outvars, eqns[r].outvars):
-                    rep_var[v] = w
-        for j in range(b.period):
-            count[rep_base + j] = b.copies * eqns[rep_base + j].weight
-    # Inputs (per-layer params) map to the input read at the same place in the representative.
-    seen_input = np.zeros(graph.num_vars, dtype=bool)
+        rep = np.arange(b.start + b.period, b.start + 2 * b.period)
+        copied = np.arange(b.start, b.start + b.copies * b.period)
+        rep_eqn[copied] = rep[(copied - b.start) % b.period]
+        weights = count[rep]
+        count[copied] = 0
+        count[rep] = b.copies * weights
+    # Results map to the result at the same position of the representative equation.
+    res_eq, res_var, res_pos = graph.result_arrays()
+    first_result = np.searchsorted(res_eq, np.arange(len(eqns)))
+    rep_var[res_var] = res_var[first_result[rep_eqn[res_eq]] + res_pos]
+    # Inputs (per-layer params) map to the input read at the same place in the representative,
+    # where an input's first read is in a copy (not in a representative equation).
     is_input = np.zeros(graph.num_vars, dtype=bool)
     is_input[graph.inputs] = True
-    for i, e in enumerate(eqns):
-        r = rep_eqn[i]
-        if r == i:
-            for v in e.invars:
-                if v is not None and is_input[v]:
-                    seen_input[v] = True
-            continue
-        for v, w in zip(e.invars, eqns[r].invars):
-            if v is None or w is None or not is_input[v] or seen_input[v]:
-                continue
-            seen_input[v] = True
-            if (
-                is_input[w]
-                and graph.shapes[v] == graph.shapes[w]
-                and graph.dtypes[v] == (graph.dtypes[w])
-            ):
-                rep_var[v] = w
+    op_eq, op_var, op_pos, _ = graph.operand_arrays()
+    read = np.flatnonzero(is_input[op_var])
+    _, first = np.unique(op_var[read], return_index=True)
+    for j in read[first].tolist():
+        i, v, k = int(op_eq[j]), int(op_var[j]), int(op_pos[j])
+        r = int(rep_eqn[i])
+        w = eqns[r].invars[k] if r != i else None
+        if (
+            w is not None
+            and is_input[w]
+            and graph.shapes[v] == graph.shapes[w]
+            and graph.dtypes[v] == graph.dtypes[w]
+        ):
+            rep_var[v] = w
     for v in graph.inputs:  # representatives map to themselves
         if rep_var[rep_var[v]] != rep_var[v]:
             rep_var[v] = v

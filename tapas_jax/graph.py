@@ -17,6 +17,7 @@ argument it came from. Closed-over constants become ``constant`` equations (repl
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -94,29 +95,49 @@ class Graph:
         """Every variable operand as parallel arrays: equation, variable, position, weight."""
         cached = self.__dict__.get("_operands")
         if cached is None:
-            eq, var, pos, wt = [], [], [], []
+            eq, var, pos = self.operand_slots()
+            keep = var >= 0  # literals are -1
+            weight = np.array([e.weight for e in self.eqns], dtype=np.float64)[eq]
             for i, e in enumerate(self.eqns):
-                ow = e.operand_weights
-                for k, v in enumerate(e.invars):
-                    if v is not None:
-                        eq.append(i)
-                        var.append(v)
-                        pos.append(k)
-                        wt.append(e.weight * (ow[k] if ow is not None else 1.0))
-            cached = (
-                np.array(eq, dtype=np.int64),
-                np.array(var, dtype=np.int64),
-                np.array(pos, dtype=np.int64),
-                np.array(wt, dtype=np.float64),
-            )
+                if e.operand_weights is not None:
+                    weight[eq == i] *= np.asarray(e.operand_weights, dtype=np.float64)
+            cached = (eq[keep], var[keep], pos[keep], weight[keep])
             self.__dict__["_operands"] = cached
         return cached
 
+    def operand_slots(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every operand, literals included, as parallel arrays: equation, variable (-1 for a
+        literal), position."""
+        cached = self.__dict__.get("_slots")
+        if cached is None:
+            cached = self.__dict__["_slots"] = _flat([e.invars for e in self.eqns])
+        return cached
+
+    def result_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every result as parallel arrays: equation, variable, position among its results."""
+        cached = self.__dict__.get("_results")
+        if cached is None:
+            cached = self.__dict__["_results"] = _flat([e.outvars for e in self.eqns])
+        return cached
+
     def producer_array(self) -> np.ndarray:
-        """`producers` as an array, cached."""
+        """`producers` as an array (-1 for inputs), cached."""
         cached = self.__dict__.get("_producers")
         if cached is None:
-            cached = self.__dict__["_producers"] = np.array(self.producers(), dtype=np.int64)
+            eq, var, _ = self.result_arrays()
+            cached = np.full(self.num_vars, -1, dtype=np.int64)
+            cached[var] = eq
+            self.__dict__["_producers"] = cached
+        return cached
+
+    def result_position_array(self) -> np.ndarray:
+        """For each variable, its position among its producer's results (-1 for inputs)."""
+        cached = self.__dict__.get("_positions")
+        if cached is None:
+            _, var, pos = self.result_arrays()
+            cached = np.full(self.num_vars, -1, dtype=np.int64)
+            cached[var] = pos
+            self.__dict__["_positions"] = cached
         return cached
 
     def consumers(self) -> list[list[int]]:
@@ -143,6 +164,15 @@ class Graph:
     def layer_runs(self) -> float:
         """Equation executions per call (scan bodies count ``length`` times)."""
         return float(sum(e.weight for e in self.eqns))
+
+
+def _flat(rows: list[list[int | None]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row index, value (-1 for None) and position in its row of every entry of `rows`."""
+    lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+    values = np.fromiter(itertools.chain.from_iterable(rows), np.float64, int(lengths.sum()))
+    row = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
+    pos = np.arange(len(values), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return row, np.where(np.isnan(values), -1, values).astype(np.int64), pos
 
 
 def path_string(path: Sequence[Any]) -> str:

@@ -14,6 +14,8 @@ price per byte added to every strategy's cost and raised by bisection until the 
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import math
 import time
 
 import numpy as np
@@ -67,20 +69,29 @@ def eliminate(prob: Problem, price: float = 0.0, max_table: int = MAX_TABLE) -> 
         out.discard(x)
         return out
 
-    cost_of = {x: int(np.prod([sizes[y] for y in neighbours(x)], dtype=np.float64)) for x in alive}
+    def new_table(x: int) -> int:
+        return math.prod(sizes[y] for y in neighbours(x))
+
+    # Smallest new table first (ties: lowest node); stale heap entries are skipped.
+    cost_of = {x: new_table(x) for x in alive}
+    heap = [(c, x) for x, c in cost_of.items()]
+    heapq.heapify(heap)
     while alive:
-        x = min(alive, key=lambda y: (cost_of[y], y))
+        c, x = heapq.heappop(heap)
+        if x not in alive or cost_of[x] != c:
+            continue
         nb = sorted(neighbours(x))
         scope = [x, *nb]
         shape = [sizes[y] for y in scope]
-        if float(np.prod(shape, dtype=np.float64)) > max_table:
+        if math.prod(shape) > max_table:
             return None
         total = np.zeros(shape)
+        where = {y: a for a, y in enumerate(scope)}
         for f in list(by_var[x]):
             fscope, table = factors.pop(f)
             for y in fscope:
                 by_var[y].discard(f)
-            perm = sorted(range(len(fscope)), key=lambda a: scope.index(fscope[a]))
+            perm = sorted(range(len(fscope)), key=lambda a: where[fscope[a]])
             bshape = [sizes[y] if y in fscope else 1 for y in scope]
             total = total + table.transpose(perm).reshape(bshape)
         arg = np.argmin(total, axis=0)
@@ -88,7 +99,8 @@ def eliminate(prob: Problem, price: float = 0.0, max_table: int = MAX_TABLE) -> 
         trace.append((x, tuple(nb), arg))
         alive.discard(x)
         for y in nb:
-            cost_of[y] = int(np.prod([sizes[z] for z in neighbours(y)], dtype=np.float64))
+            cost_of[y] = new_table(y)
+            heapq.heappush(heap, (cost_of[y], y))
     choice = np.zeros(n, dtype=np.int64)
     for x, nb, arg in reversed(trace):
         choice[x] = arg[tuple(int(choice[y]) for y in nb)] if nb else int(arg)
