@@ -172,10 +172,8 @@ class Lowered:
 
 def _table(specs: list[Spec]) -> tuple[list[Spec], np.ndarray]:
     index: dict[Spec, int] = {}
-    idx = np.empty(len(specs), dtype=np.int64)
-    for i, s in enumerate(specs):
-        idx[i] = index.setdefault(s, len(index))
-    return list(index), idx
+    idx = [index.setdefault(s, len(index)) for s in specs]
+    return list(index), np.array(idx, dtype=np.int64)
 
 
 class _Rule(NamedTuple):
@@ -192,6 +190,7 @@ class _Costs:
     def __init__(self, axes: MeshAxes, hw: HardwareProfile):
         self.axes, self.hw = axes, hw
         self.cache: dict = {}
+        self.no_bytes = np.zeros(len(KINDS))
 
     def comms(self, comms) -> tuple[float, np.ndarray]:
         t = 0.0
@@ -203,7 +202,7 @@ class _Costs:
         return t, b
 
     def strategy(self, s: Strategy) -> tuple[float, float, np.ndarray]:
-        t, b = self.comms(s.comms)
+        t, b = self.comms(s.comms) if s.comms else (0.0, self.no_bytes)
         compute = s.flops / self.hw.peak_flops + s.bytes_accessed / self.hw.hbm_bandwidth
         return compute, t, b
 
@@ -219,13 +218,12 @@ def _reshard_table(
     costs: _Costs, src: list[Spec], dst: list[Spec], shape, itemsize: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Seconds and bytes by kind to turn each layout of `src` into each of `dst`; None if free."""
-    t = np.zeros((len(src), len(dst)))
-    b = np.zeros((len(src), len(dst), len(KINDS)))
-    for i, s in enumerate(src):
-        for j, d in enumerate(dst):
-            if s != d:
-                t[i, j], b[i, j] = costs.reshard(s, d, shape, itemsize)
-    return (t, b) if t.any() else None
+    zero = (0.0, np.zeros(len(KINDS)))
+    pairs = [costs.reshard(s, d, shape, itemsize) if s != d else zero for s in src for d in dst]
+    t = np.array([p[0] for p in pairs]).reshape(len(src), len(dst))
+    if not t.any():
+        return None
+    return t, np.array([p[1] for p in pairs]).reshape(len(src), len(dst), len(KINDS))
 
 
 def _peak_live(graph: Graph, constant: list[bool]) -> np.ndarray:
@@ -323,9 +321,7 @@ def build_problem(
         return ok or strategies
 
     def priced(strategies: list[Strategy], eqn) -> _Rule:
-        price = np.empty((len(strategies), 2 + len(KINDS)))
-        for j, s in enumerate(strategies):
-            price[j, 0], price[j, 1], price[j, 2:] = costs.strategy(s)
+        price = np.array([(c, t, *b) for c, t, b in map(costs.strategy, strategies)])
         outs = [_table([s.out_specs[o] for s in strategies]) for o in range(len(eqn.outvars))]
         ins = [
             None if v is None else _table([s.in_specs[kk] for s in strategies])
@@ -424,8 +420,10 @@ def build_problem(
         t_small, b_small = small
         u, n = owner[w], leader[r]
         if u == n:
-            prob.comm[u] += c * t_small[src_idx, dst_idx]
-            prob.comm_bytes[u] += c * b_small[src_idx, dst_idx]
+            t_read = t_small[src_idx, dst_idx]
+            if t_read.any():  # a node mostly reads its own results in the layout it wrote
+                prob.comm[u] += c * t_read
+                prob.comm_bytes[u] += c * b_small[src_idx, dst_idx]
         else:
             rows, cols = src_idx[:, None], dst_idx[None, :]
             prob.add_edge(u, n, c * t_small[rows, cols], c * b_small[rows, cols])

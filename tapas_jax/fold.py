@@ -90,7 +90,7 @@ def _described_params(params: dict) -> tuple:
 
 
 def _literal_key(lit) -> tuple:
-    if isinstance(lit, np.generic):  # the usual literal: a NumPy scalar
+    if isinstance(lit, np.generic | np.ndarray) and lit.size == 1:  # the usual literal
         return ("lit", lit.dtype.str, lit.item())
     a = np.asarray(lit)
     if a.size == 1:
@@ -124,16 +124,16 @@ def local_hashes(graph: Graph) -> np.ndarray:
         graph.num_vars,
     )
     head_ids: dict[tuple, int] = {}
-    head = np.empty(n, dtype=np.int64)
-    for i, e in enumerate(eqns):
+    head = []
+    for e in eqns:
         body = graph_hash(e.body) if e.body is not None else 0
         # A primitive binds its params in a fixed order, so no sorting is needed.
         key = (e.prim, tuple(e.params.items()), body, e.weight)
         try:
-            head[i] = head_ids.setdefault(key, len(head_ids))
+            head.append(head_ids.setdefault(key, len(head_ids)))
         except TypeError:  # an array-valued param (constants)
             key = (e.prim, _described_params(e.params), body, e.weight)
-            head[i] = head_ids.setdefault(key, len(head_ids))
+            head.append(head_ids.setdefault(key, len(head_ids)))
     # Operands: the aval id of a variable, -2 - (literal id) for a literal; -1 pads the rows.
     eq, var, pos = graph.operand_slots()
     code = aval[var]

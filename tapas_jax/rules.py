@@ -736,8 +736,9 @@ def batch_dims(
         for b in folding.blocks:
             lo, hi = b.start + 2 * b.period, b.start + b.copies * b.period
             if hi > lo:
-                outs = [o for e in graph.eqns[lo:hi] for o in e.outvars]
-                skip_to[lo] = (hi, outs, folding.rep_var[outs].tolist())
+                res_eq, res_var, _ = graph.result_arrays()
+                outs = res_var[np.searchsorted(res_eq, lo) : np.searchsorted(res_eq, hi)]
+                skip_to[lo] = (hi, outs.tolist(), folding.rep_var[outs].tolist())
     bd: list[int | None] = [None] * graph.num_vars
     for v, batched in zip(graph.inputs, inputs_batched):
         if batched and graph.shapes[v] and graph.shapes[v][0] % size == 0:
