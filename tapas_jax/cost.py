@@ -147,10 +147,10 @@ class Lowered:
     folding: Folding
     axes: MeshAxes
     owner: dict[int, int]
-    spec_table: dict[int, tuple[list[Spec], np.ndarray]]
+    spec_table: dict[int, tuple[tuple[Spec, ...], np.ndarray]]
     unknown: set[str]
     fixed: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
-    operand_table: dict[tuple[int, int], tuple[list[Spec], np.ndarray]] = dataclasses.field(
+    operand_table: dict[tuple[int, int], tuple[tuple[Spec, ...], np.ndarray]] = dataclasses.field(
         default_factory=dict
     )
     """(representative equation, operand position) -> the layouts its strategies read the
@@ -170,10 +170,11 @@ class Lowered:
         return uniq[idx[choice[self.owner[r]]]]
 
 
-def _table(specs: list[Spec]) -> tuple[list[Spec], np.ndarray]:
+def _table(specs: list[Spec]) -> tuple[tuple[Spec, ...], np.ndarray]:
+    """The distinct specs in order of first appearance, and the index of each spec in them."""
     index: dict[Spec, int] = {}
     idx = [index.setdefault(s, len(index)) for s in specs]
-    return list(index), np.array(idx, dtype=np.int64)
+    return tuple(index), np.array(idx, dtype=np.int64)
 
 
 class _Rule(NamedTuple):
@@ -182,8 +183,8 @@ class _Rule(NamedTuple):
     size: int
     price: np.ndarray
     """Per strategy: compute seconds, comm seconds, then bytes moved by collective kind."""
-    outs: list[tuple[list[Spec], np.ndarray]]
-    ins: list[tuple[list[Spec], np.ndarray] | None]
+    outs: list[tuple[tuple[Spec, ...], np.ndarray]]
+    ins: list[tuple[tuple[Spec, ...], np.ndarray] | None]
 
 
 class _Costs:
@@ -215,7 +216,7 @@ class _Costs:
 
 
 def _reshard_table(
-    costs: _Costs, src: list[Spec], dst: list[Spec], shape, itemsize: int
+    costs: _Costs, src: tuple[Spec, ...], dst: tuple[Spec, ...], shape, itemsize: int
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Seconds and bytes by kind to turn each layout of `src` into each of `dst`; None if free."""
     zero = (0.0, np.zeros(len(KINDS)))
@@ -281,8 +282,8 @@ def build_problem(
     rep_var, count = fold.rep_var.tolist(), fold.count.tolist()
     prob = Problem()
     owner: dict[int, int] = {}
-    table: dict[int, tuple[list[Spec], np.ndarray]] = {}
-    req: dict[tuple[int, int], tuple[list[Spec], np.ndarray]] = {}
+    table: dict[int, tuple[tuple[Spec, ...], np.ndarray]] = {}
+    req: dict[tuple[int, int], tuple[tuple[Spec, ...], np.ndarray]] = {}
     leader: dict[int, int] = {}
     unknown: set[str] = set()
     shapes, dtypes = graph.shapes, graph.dtypes
@@ -365,7 +366,7 @@ def build_problem(
         if k is not None and w in owner:
             node = owner[w]
             uniq, idx = table[w]
-            key = ("follow", sig[i], k, tuple(uniq))
+            key = ("follow", sig[i], k, uniq)
             rule = rules.get(key)
             if rule is None:
                 rule = rules[key] = priced([follow_cached(e, i, k, s) for s in uniq], e)
@@ -405,13 +406,15 @@ def build_problem(
     uniq_keys, inverse = np.unique(keys, return_inverse=True)
     counts = np.bincount(inverse.ravel(), weights=weight, minlength=len(uniq_keys))
     resharding: dict[tuple, tuple[np.ndarray, np.ndarray] | None] = {}
-    for key, c in zip(uniq_keys.tolist(), counts.tolist()):
-        w, rest = divmod(key, n_eqns * n_pos)
-        r, kk = divmod(rest, n_pos)
+    read_var, rest = np.divmod(uniq_keys, n_eqns * n_pos)
+    read_eqn, read_pos = np.divmod(rest, n_pos)
+    for w, r, kk, c in zip(
+        read_var.tolist(), read_eqn.tolist(), read_pos.tolist(), counts.tolist()
+    ):
         src_uniq, src_idx = table[w]
         dst_uniq, dst_idx = req[(r, kk)]
         shape, item = shapes[w], dtypes[w].itemsize
-        rkey = (tuple(src_uniq), tuple(dst_uniq), shape, item)
+        rkey = (src_uniq, dst_uniq, shape, item)
         if rkey not in resharding:
             resharding[rkey] = _reshard_table(costs, src_uniq, dst_uniq, shape, item)
         small = resharding[rkey]
