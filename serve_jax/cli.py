@@ -133,6 +133,13 @@ def _bench(argv: list[str]) -> int:
     )
     p.add_argument("--preset", default="small", help="model preset for --micro decode|offload")
     p.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=None,
+        help="--micro generate: token budget per step (default batch x context: all prompts "
+        "prefill in the first step, as HF generate does)",
+    )
+    p.add_argument(
         "--engine-config",
         default="cpu_demo",
         help="engine preset or YAML for --micro generate",
@@ -155,7 +162,12 @@ def _bench(argv: list[str]) -> int:
 
         if args.micro == "generate":
             res = loadgen.generate_benchmark(
-                args.engine_config, args.batch, args.context, args.steps, rounds=3
+                args.engine_config,
+                args.batch,
+                args.context,
+                args.steps,
+                rounds=3,
+                prefill_budget=args.prefill_budget,
             )
             print(f"{'round':<8}{'first token s':>15}{'decode s':>10}{'decode tok/s':>14}")
             for i, r in enumerate(res["rounds"]):
@@ -165,7 +177,8 @@ def _bench(argv: list[str]) -> int:
                 )
             print(
                 f"Engine ({res['engine_config']}, {res['preset']}): batch {res['batch']}, "
-                f"prompt {res['context']}, {res['new_tokens']} new tokens: "
+                f"prompt {res['context']}, {res['new_tokens']} new tokens, prefill budget "
+                f"{res['prefill_budget']}: "
                 f"{res['decode_tok_s_median']:.0f} decode tok/s median"
             )
         elif args.micro == "decode":

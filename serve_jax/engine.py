@@ -225,7 +225,9 @@ class Engine:
     def warmup(self) -> int:
         """Compiles the executor's step shapes now (instead of on first use); returns count."""
         sc = self.config.scheduler
-        return self.executor.warmup(sc.max_num_seqs, sc.max_num_batched_tokens)
+        # A prefill chunk never exceeds the token budget nor the model's context length.
+        longest = min(sc.max_num_batched_tokens, self.max_model_len)
+        return self.executor.warmup(sc.max_num_seqs, longest)
 
     @property
     def max_model_len(self) -> int:

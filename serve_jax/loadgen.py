@@ -179,6 +179,7 @@ def generate_benchmark(
     new_tokens: int = 64,
     rounds: int = 3,
     overrides: tuple[str, ...] = (),
+    prefill_budget: int | None = None,
 ) -> dict:
     """Decode tokens/s of the whole Engine (scheduler, paged executor, detokenizer) on a batch.
 
@@ -186,6 +187,12 @@ def generate_benchmark(
     ``new_tokens + 1`` output tokens (EOS ignored); decode tok/s is
     ``batch * new_tokens / (t(new_tokens + 1) - t(1))``, so prefill and first-token cost cancel.
     This is how ``scripts/hf_generate_baseline.py`` times Hugging Face ``generate``.
+
+    ``prefill_budget`` sets ``scheduler.max_num_batched_tokens``; by default ``batch * context``,
+    so every prompt is prefilled in the first step and the batch then decodes in lockstep, as
+    in ``generate``. With a smaller budget (an online server's, e.g. the config's own) prompts
+    are prefilled a few per step and the requests finish staggered, so more decode steps run
+    with part of the batch.
     """
     from serve_jax.config import load_engine_config
     from serve_jax.engine import Engine
@@ -193,7 +200,10 @@ def generate_benchmark(
 
     if batch < 1 or context < 1 or new_tokens < 1 or rounds < 1:
         raise ValueError("batch, context, new_tokens and rounds must be >= 1")
-    engine = Engine(load_engine_config(config, overrides))
+    budget = batch * context if prefill_budget is None else prefill_budget
+    engine = Engine(
+        load_engine_config(config, [f"scheduler.max_num_batched_tokens={budget}", *overrides])
+    )
     engine.warmup()
     cfg = engine.model_config
     rng = np.random.default_rng(0)
@@ -228,6 +238,7 @@ def generate_benchmark(
         "batch": batch,
         "context": context,
         "new_tokens": new_tokens,
+        "prefill_budget": budget,
         "rounds": rows,
         "decode_tok_s_median": float(np.median(tok_s)),
         "decode_tok_s_best": float(max(tok_s)),
