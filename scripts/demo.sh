@@ -27,6 +27,8 @@ echo "== serve_jax: preemption policies in the simulator (Llama-7B on H100, 8 GB
 
 echo
 echo "== paragan_jax: a short GAN run on the 8x8 digits (sync scheme, 8 simulated devices)"
+# Like the other demo outputs, the run is redone each time (a kept workdir would resume at 150).
+rm -rf "$OUT/digits"
 "$PY" -m paragan_jax train --config digits_cpu --steps 150 --workdir "$OUT/digits" --no-progress
 
 echo
