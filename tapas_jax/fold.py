@@ -179,15 +179,20 @@ def _row_ids(rows: np.ndarray) -> np.ndarray:
 
 
 def _longest_run(mask: np.ndarray) -> tuple[int, int]:
-    if not mask.any():
-        return 0, 0
-    padded = np.concatenate([[0], mask.astype(np.int8), [0]])
-    d = np.diff(padded)
-    starts = np.flatnonzero(d == 1)
-    ends = np.flatnonzero(d == -1)
-    lengths = ends - starts
-    k = int(np.argmax(lengths))
-    return int(starts[k]), int(lengths[k])
+    """Start and length of the first longest run of True in `mask` ((0, 0) if there is none)."""
+    # The runs lie between consecutive False entries (and the two ends).
+    breaks = np.flatnonzero(~mask)
+    if breaks.size == 0:
+        return 0, len(mask)
+    start, length = 0, int(breaks[0])  # the run before the first break
+    if breaks.size > 1:
+        inner = np.diff(breaks) - 1
+        k = int(np.argmax(inner))
+        if inner[k] > length:
+            start, length = int(breaks[k]) + 1, int(inner[k])
+    if len(mask) - 1 - int(breaks[-1]) > length:  # the run after the last break
+        start, length = int(breaks[-1]) + 1, len(mask) - 1 - int(breaks[-1])
+    return (start, length) if length else (0, 0)
 
 
 def _candidate_periods(seg: np.ndarray, min_period: int) -> list[int]:

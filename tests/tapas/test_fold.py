@@ -1,8 +1,10 @@
 """Folding's bulk keys: equal rows get equal ids, constants respect program order."""
 
+import itertools
+
 import numpy as np
 
-from tapas_jax.fold import _row_ids
+from tapas_jax.fold import _longest_run, _row_ids
 from tapas_jax.graph import Eqn, Graph
 from tapas_jax.rules import constant_vars
 
@@ -27,3 +29,19 @@ def test_constant_vars_do_not_follow_a_scan_carry_back_edge():
     ]
     graph = Graph(eqns, [()] * 5, [f32] * 5, [0], [4], ["x"], [0])
     assert constant_vars(graph) == [False, True, False, True, False]
+
+
+def test_longest_run_is_the_first_longest_run_of_true():
+    def brute(mask):
+        best = (0, 0)
+        for start, group in itertools.groupby(enumerate(mask.tolist()), key=lambda x: x[1]):
+            items = list(group)
+            if start and len(items) > best[1]:
+                best = (items[0][0], len(items))
+        return best
+
+    rng = np.random.default_rng(0)
+    for n in range(0, 30):
+        for _ in range(50):
+            mask = rng.random(n) < rng.random()
+            assert _longest_run(mask) == brute(mask)
