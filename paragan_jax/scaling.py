@@ -878,7 +878,60 @@ def scaling_command(argv: list[str]) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=2))
+        png = args.json.with_suffix(".png")
+        plot_scaling(out, png)
+        print(f"wrote {args.json} and {png}")
     return 0
+
+
+def plot_scaling(out: dict[str, Any], path: Path) -> None:
+    """Predicted efficiency per chip count (sync, async, ParaGAN's published point) and, when
+    the CPU check ran, measured against predicted step time per process count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    check = out.get("cpu_check")
+    fig, axes = plt.subplots(1, 2 if check else 1, figsize=(11 if check else 6, 4.2))
+    ax = axes[0] if check else axes
+    for scheme, marker in (("sync", "o"), ("async", "s")):
+        rows = [r for r in out["rows"] if r["scheme"] == scheme]
+        ax.plot(
+            [r["chips"] for r in rows],
+            [100 * r["efficiency"] for r in rows],
+            marker=marker,
+            label=f"{scheme} (predicted)",
+        )
+    ax.plot([512], [100 * PAPER_EFFICIENCY_1024_CORES], "k*", ms=12, label="ParaGAN, published")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("chips")
+    ax.set_ylabel("scaling efficiency (%)")
+    ax.set_title(f"{out['model']} on {out['hardware']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if check:
+        ax = axes[1]
+        rows = check["rows"]
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [1e3 * r["measured_s"] for r in rows], 0.4, label="measured")
+        ax.bar([i + 0.2 for i in x], [1e3 * r["predicted_s"] for r in rows], 0.4, label="model")
+        ax.set_xticks(
+            list(x),
+            [
+                f"{r['processes']} proc\n{r['role']}"
+                if r["role"] != "prediction"
+                else f"{r['processes']} proc\n{r['error']:+.0%}"
+                for r in rows
+            ],
+        )
+        ax.set_ylabel("sync step, median (ms)")
+        ax.set_title(f"CPU check: gloo processes on {check['cores']} cores")
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

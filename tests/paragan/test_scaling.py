@@ -182,6 +182,7 @@ def test_scaling_command_writes_rows(tmp_path, capsys):
     ]
     assert all({"step_seconds", "efficiency"} <= set(r) for r in data["rows"])
     assert data["paper"]["published_efficiency"] == 0.91
+    assert (tmp_path / "scaling.png").stat().st_size > 0  # the efficiency plot beside the JSON
     assert "efficiency" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         scale_main(["scaling", "--chips", "8,x"])
