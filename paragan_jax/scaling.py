@@ -400,7 +400,7 @@ def count_step_collectives(config, devices: int = 2) -> dict[str, int]:
     import jax
 
     from tapas_jax.mesh import make_mesh
-    from tapas_jax.verify import count_collectives
+    from tapas_jax.verification import count_collectives
 
     from .train import batch_struct, make_sync_step, make_train_state
 
@@ -443,7 +443,7 @@ def _worker(argv: list[str]) -> int:
     devices; in each round they run ``--steps`` steps for each n in turn while the others wait at
     a barrier, so every n sees the same drifting machine load. Process 0 also times a bare
     all-reduce between two processes at several sizes, and reports the compiled step's
-    collectives (`tapas_jax.verify.count_collectives`) for each n.
+    collectives (`tapas_jax.verification.count_collectives`) for each n.
     """
     ap = argparse.ArgumentParser(prog="python -m paragan_jax.scaling")
     ap.add_argument("--process-id", type=int, required=True)
@@ -470,7 +470,7 @@ def _worker(argv: list[str]) -> int:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from tapas_jax.mesh import make_mesh
-    from tapas_jax.verify import count_collectives
+    from tapas_jax.verification import count_collectives
 
     from .train import make_sync_step, make_train_state
 
@@ -623,7 +623,7 @@ def hlo_collective_terms(
 ) -> tuple[int, float]:
     """Latency hops and bytes each device sends for a compiled step's collectives at `p` devices.
 
-    `counts` and `moved` are `tapas_jax.verify.count_collectives` of the step compiled at
+    `counts` and `moved` are `tapas_jax.verification.count_collectives` of the step compiled at
     `p_compiled` devices. Under data parallelism each collective keeps its payload as the
     device count changes, so the payloads are recovered from the bytes moved at `p_compiled`
     and priced again at `p` with `tapas_jax.collectives.bytes_moved`.

@@ -253,7 +253,7 @@ def plan_shardings(
     the EMA follows G's plan and Adam's moments follow their params. BN statistics and
     spectral-norm vectors stay replicated.
     """
-    from tapas_jax.plan import plan as tapas_plan
+    from tapas_jax.planner import plan as tapas_plan
 
     m, b = config.model, config.data.batch_size
     z = jax.ShapeDtypeStruct((b, m.z_dim), jnp.float32)

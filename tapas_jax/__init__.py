@@ -3,7 +3,7 @@
 Meshes (`tapas_jax.mesh`), hardware profiles (`tapas_jax.hardware`), the collective cost model
 (`tapas_jax.collectives`) and typed configs (`tapas_jax.config`) used by every package, and the
 automatic tensor-parallelism planner: `plan(fn, params, *inputs, mesh=...)` returns a `Plan` of
-PartitionSpecs (`tapas_jax.plan`); `verify` compiles it and checks it (`tapas_jax.verify`).
+PartitionSpecs (`tapas_jax.planner`); `verify` compiles it and checks it (`tapas_jax.verification`).
 
 Public names are imported lazily, so ``python -m <package>`` can set up the simulated CPU devices
 (`tapas_jax.commands`) before jax is first imported.
@@ -21,10 +21,10 @@ _EXPORTS = {
     "abstract_mesh": ".mesh",
     "make_mesh": ".mesh",
     "split_mesh": ".mesh",
-    "Plan": ".plan",
-    "plan": ".plan",
-    "verify": ".verify",
-    "VerifyResult": ".verify",
+    "Plan": ".planner",
+    "plan": ".planner",
+    "verify": ".verification",
+    "VerifyResult": ".verification",
     "MemoryInfeasibleError": ".search",
     "build_graph": ".graph",
     "fold_repeated_blocks": ".fold",

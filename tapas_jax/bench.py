@@ -39,7 +39,7 @@ def bench_row(
     from .graph import build_graph
     from .hardware import get_profile
     from .ilp import solve_ilp
-    from .plan import cost_with_param_specs
+    from .planner import cost_with_param_specs
     from .search import solve
 
     hw = get_profile(hardware)

@@ -96,7 +96,7 @@ def _write(path: str | None, payload: dict) -> None:
 def _plan(argv: list[str]) -> int:
     args = _parser("plan").parse_args(argv[1:])
     cfg = config_from_args(args)
-    from .plan import plan
+    from .planner import plan
     from .search import MemoryInfeasibleError
 
     t0 = time.perf_counter()
@@ -132,8 +132,8 @@ def _verify(argv: list[str]) -> int:
     if cfg.num_devices is not None:
         print("error: verify compiles on local devices; drop --num-devices", file=sys.stderr)
         return 2
-    from .plan import plan
-    from .verify import verify
+    from .planner import plan
+    from .verification import verify
 
     mesh = mesh_for(cfg)
     model = build_model(cfg)

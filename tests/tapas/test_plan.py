@@ -12,7 +12,7 @@ import pytest
 from tapas_jax import zoo
 from tapas_jax.fold import fold_repeated_blocks
 from tapas_jax.graph import build_graph
-from tapas_jax.plan import Plan, cost_with_param_specs, lower, plan
+from tapas_jax.planner import Plan, cost_with_param_specs, lower, plan
 from tapas_jax.search import MemoryInfeasibleError
 
 MEGATRON_OUT = ("query", "key", "value", "fc1")

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tapas_jax import cli
-from tapas_jax.verify import count_collectives
+from tapas_jax.verification import count_collectives
 
 GPT_FLAGS = [
     "--model",
@@ -100,7 +100,7 @@ def test_operand_pins_make_xla_gather_rather_than_all_reduce(mesh_2x4):
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from tapas_jax.plan import _constrained
+    from tapas_jax.planner import _constrained
 
     def fn(w, x):
         return jnp.dot(x, w)

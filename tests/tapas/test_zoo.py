@@ -7,8 +7,8 @@ import pytest
 
 from tapas_jax import cli, zoo
 from tapas_jax.config import PlanConfig, load_config, preset_path
-from tapas_jax.plan import plan
-from tapas_jax.verify import verify
+from tapas_jax.planner import plan
+from tapas_jax.verification import verify
 
 ZOO = ["gpt_scan", "t5", "vit", "moe", "dcgan"]
 TINY = {"layers": 2, "d_model": 32, "heads": 4, "seq_len": 8, "batch": 4, "vocab": 64}
