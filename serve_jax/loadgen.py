@@ -245,6 +245,35 @@ def generate_benchmark(
     }
 
 
+def _greedy_paged_decode(graphdef, params, tables):
+    """``decode(k_pool, v_pool, position) -> (tokens, k_pool, v_pool)``: one greedy decode step
+    of every row of ``tables`` at ``position`` through the executor's own jitted step."""
+    import jax
+    import jax.numpy as jnp
+
+    from serve_jax.executor import flat_paged_step
+
+    batch = tables.shape[0]
+    leaves, treedef = jax.tree.flatten(params)
+    step = flat_paged_step(graphdef, treedef)
+    fixed = (
+        jnp.ones((batch, 1), bool),  # valid
+        tables,
+        jnp.zeros((batch,), jnp.int32),  # last
+        jnp.zeros((batch,), jnp.float32),  # temperature: greedy
+        jnp.ones((batch,), jnp.float32),  # top_p
+        jnp.zeros((batch,), jnp.int32),  # seeds
+    )
+    tok = jnp.full((batch, 1), 7, jnp.int32)
+
+    def decode(k, v, position: int):
+        pos = jnp.full((batch, 1), position, jnp.int32)
+        ctr = jnp.full((batch,), position, jnp.int32)
+        return step(leaves, k, v, tok, pos, *fixed, ctr)
+
+    return decode
+
+
 def decode_step_benchmark(
     preset: str = "small",
     batch: int = 16,
@@ -269,7 +298,6 @@ def decode_step_benchmark(
     import jax.numpy as jnp
     from flax import nnx
 
-    from serve_jax.executor import flat_paged_step
     from serve_jax.kv_cache import DenseKVView, make_kv_pools
     from serve_jax.model import count_params, get_model_config, init_model
     from serve_jax.sampling import sample_tokens
@@ -288,10 +316,9 @@ def decode_step_benchmark(
     top_p = jnp.ones((batch,), jnp.float32)
     seeds = jnp.zeros((batch,), jnp.int32)
     valid = jnp.ones((batch, 1), bool)
-    last = jnp.zeros((batch,), jnp.int32)
 
     leaves, treedef = jax.tree.flatten(params)
-    paged_step = flat_paged_step(graphdef, treedef)  # what the executor runs
+    paged_decode = _greedy_paged_decode(graphdef, params, tables)  # what the executor runs
 
     @functools.partial(jax.jit, donate_argnums=(1, 2))
     def dense_decode(leaves, k, v, tokens, positions, ctr):
@@ -305,23 +332,7 @@ def decode_step_benchmark(
     pools = {"paged": (k_pool, v_pool), "dense": (k_dense, v_dense)}
 
     def paged():
-        pos = jnp.full((batch, 1), state["pos"], jnp.int32)
-        ctr = jnp.full((batch,), state["pos"], jnp.int32)
-        k, v = pools["paged"]
-        toks, k, v = paged_step(
-            leaves,
-            k,
-            v,
-            state["tok"],
-            pos,
-            valid,
-            tables,
-            last,
-            temp,
-            top_p,
-            seeds,
-            ctr,
-        )
+        toks, k, v = paged_decode(*pools["paged"], state["pos"])
         pools["paged"] = (k, v)
         np.asarray(toks)
 
@@ -388,7 +399,6 @@ def offload_overlap_benchmark(
     import jax.numpy as jnp
     from flax import nnx
 
-    from serve_jax.executor import paged_step
     from serve_jax.kv_cache import make_kv_pools
     from serve_jax.model import get_model_config, init_model
     from serve_jax.offload import HostKVTier
@@ -407,32 +417,11 @@ def offload_overlap_benchmark(
     victim_pages = [int(x) for x in perm[used:]]
     k_pool, v_pool = make_kv_pools(cfg, num_blocks, block_size)
     host = HostKVTier(jax.devices()[0])
-    temp = jnp.zeros((batch,), jnp.float32)
-    top_p = jnp.ones((batch,), jnp.float32)
-    seeds = jnp.zeros((batch,), jnp.int32)
-    valid = jnp.ones((batch, 1), bool)
-    last = jnp.zeros((batch,), jnp.int32)
+    decode = _greedy_paged_decode(graphdef, params, tables)
     state = {"pos": context, "k": k_pool, "v": v_pool}
-    tok = jnp.full((batch, 1), 7, jnp.int32)
 
     def step(offload: bool):
-        pos = jnp.full((batch, 1), state["pos"], jnp.int32)
-        ctr = jnp.full((batch,), state["pos"], jnp.int32)
-        toks, state["k"], state["v"] = paged_step(
-            graphdef,
-            params,
-            state["k"],
-            state["v"],
-            tok,
-            pos,
-            valid,
-            tables,
-            last,
-            temp,
-            top_p,
-            seeds,
-            ctr,
-        )
+        toks, state["k"], state["v"] = decode(state["k"], state["v"], state["pos"])
         host.complete()
         if offload:
             host.offload(state["k"], state["v"], [(d, i) for i, d in enumerate(victim_pages)])

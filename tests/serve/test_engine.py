@@ -184,6 +184,15 @@ def test_generate_benchmark_times_the_engine_like_the_hf_baseline():
         generate_benchmark("tiny_cpu", new_tokens=0)
 
 
+def test_step_benchmarks_run_the_executor_step():
+    from serve_jax.loadgen import decode_step_benchmark, offload_overlap_benchmark
+
+    dec = decode_step_benchmark("tiny", batch=2, context=8, block_size=4, steps=2)
+    assert dec["paged_step_ms"] > 0 and dec["dense_step_ms"] > 0 and dec["params"] > 0
+    off = offload_overlap_benchmark("tiny", batch=2, context=8, block_size=4, steps=2)
+    assert off["pages_offloaded_per_step"] >= 1 and off["offload_step_ms"] > 0
+
+
 def test_stop_strings_abort_and_streaming_text(model):
     eng = make_engine(model)
     full = eng.generate(["hello"], SamplingParams(max_tokens=12, ignore_eos=True))[0]
