@@ -97,6 +97,11 @@ def pad_pow2(n: int, minimum: int = 1) -> int:
 def _paged_step(
     graphdef, params, k_pool, v_pool, tokens, positions, valid, tables, last, *sampling
 ):
+    """One forward over a padded batch: write K/V pages, attend, sample a token per row.
+
+    ``sampling`` is ``(temperature, top_p, seeds, counters)``; returns
+    ``(next_tokens, k_pool, v_pool)``.
+    """
     model = nnx.merge(graphdef, params)
     view = PagedKVView(k_pool, v_pool, tables, positions, valid)
     h = model.hidden(tokens, positions, view)
@@ -105,22 +110,16 @@ def _paged_step(
     return next_tokens, view.k_pool, view.v_pool
 
 
-paged_step = jax.jit(_paged_step, static_argnums=(0,), donate_argnums=(2, 3))
-"""One forward over a padded batch: write K/V pages, attend, sample a token per row.
-
-``paged_step(graphdef, params, k_pool, v_pool, tokens, positions, valid, tables, last,
-temperature, top_p, seeds, counters) -> (next_tokens, k_pool, v_pool)``; the pools are donated.
-"""
-
-
 @functools.cache
 def flat_paged_step(graphdef, treedef):
-    """`paged_step` taking the weights as a flat list of arrays (``jax.tree.leaves(params)``).
+    """The jitted paged step, taking the weights as a flat list (``jax.tree.leaves(params)``).
 
-    What the executor calls every step: ``graphdef`` is bound here, hashed once, and a list of
-    arrays is the cheapest argument for jit's dispatch path, where an `nnx.State` is flattened
-    and a `GraphDef` static argument hashed on every call (about 5 ms per step for the `small`
-    preset on a CPU). Cached per architecture, so engines serving the same one share compiles.
+    ``step(leaves, k_pool, v_pool, tokens, positions, valid, tables, last, temperature, top_p,
+    seeds, counters) -> (next_tokens, k_pool, v_pool)``; the pools are donated. ``graphdef`` is
+    bound here and hashed once: a list of arrays is the cheapest argument for jit's dispatch
+    path, where an `nnx.State` would be flattened and a `GraphDef` static argument hashed on
+    every call (about 5 ms per step for the `small` preset on a CPU). Cached per architecture,
+    so engines serving the same one share compilations.
     """
 
     def step(leaves, k_pool, v_pool, *arrays):
