@@ -647,21 +647,6 @@ def hlo_collective_terms(
     return hops, sent
 
 
-def hlo_collective_seconds(
-    counts: dict[str, int],
-    moved: dict[str, float],
-    p_compiled: int,
-    p: int,
-    hw: str | HardwareProfile,
-) -> float:
-    """Time of a compiled step's collectives (counted at `p_compiled` devices) at `p` devices:
-    one ``alpha`` per latency hop plus the bytes each device sends over the axis bandwidth
-    (the terms of `tapas_jax.collectives.collective_seconds`, summed over the step)."""
-    hw = get_profile(hw)
-    hops, sent = hlo_collective_terms(counts, moved, p_compiled, p)
-    return hops * hw.collective_latency + sent / hw.axis_bandwidth
-
-
 def check_cpu(
     processes=(1, 2, 4), steps: int = 5, rounds: int = 4, batch: int = 16, cores: int | None = None
 ) -> dict[str, Any]:

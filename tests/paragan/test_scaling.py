@@ -87,14 +87,19 @@ def test_alpha_beta_fit_recovers_a_known_link():
     assert fa == pytest.approx(alpha, rel=1e-6) and fw == pytest.approx(w, rel=1e-6)
 
 
-def test_hlo_collectives_are_priced_per_op():
-    hw = "tpu-v3"
-    one = S.hlo_collective_seconds({"all-reduce": 1}, {"all-reduce": 1e6}, 2, 8, hw)
+def test_hlo_collectives_are_priced_like_the_collective_model():
+    from tapas_jax.hardware import get_profile
+
+    hw = get_profile("tpu-v3")
+
+    def seconds(count, p):
+        hops, sent = S.hlo_collective_terms({"all-reduce": count}, {"all-reduce": 1e6}, 2, p)
+        return hops * hw.collective_latency + sent / hw.axis_bandwidth
+
     # 1e6 bytes moved at p=2 is a 1e6-byte payload (2 (p-1)/p = 1).
-    assert one == pytest.approx(collective_seconds("all-reduce", 1e6, 8, hw))
-    ten = S.hlo_collective_seconds({"all-reduce": 10}, {"all-reduce": 1e6}, 2, 8, hw)
-    assert ten > one  # nine more latency terms
-    assert S.hlo_collective_seconds({"all-reduce": 3}, {"all-reduce": 1e6}, 2, 1, hw) == 0.0
+    assert seconds(1, 8) == pytest.approx(collective_seconds("all-reduce", 1e6, 8, hw))
+    assert seconds(10, 8) > seconds(1, 8)  # nine more latency terms
+    assert seconds(3, 1) == 0.0
 
 
 def test_collective_hops_follow_the_ring_algorithms():
