@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["HardwareProfile", "PROFILES", "get_profile"]
+__all__ = ["HardwareProfile", "PROFILES", "get_profile", "profile_for_device"]
 
 GiB = 1024**3
 
@@ -194,3 +194,40 @@ def get_profile(name: str | HardwareProfile) -> HardwareProfile:
     if key not in PROFILES:
         raise ValueError(f"unknown hardware {name!r}; known: {', '.join(sorted(PROFILES))}")
     return PROFILES[key]
+
+
+# Substrings of ``jax.Device.device_kind`` (lower case) -> profile, most specific first.
+_DEVICE_KINDS = (
+    ("v6", "tpu-v6e"),
+    ("v5p", "tpu-v5p"),
+    ("v5 lite", "tpu-v5e"),
+    ("v5e", "tpu-v5e"),
+    ("v5", "tpu-v5p"),  # a v5p reports "TPU v5"
+    ("v4", "tpu-v4"),
+    ("v3", "tpu-v3"),
+    ("h200", "h200"),
+    ("h100", "h100"),
+)
+# A platform whose device kind names no profile above.
+_PLATFORM_DEFAULTS = {"tpu": "tpu-v5e", "gpu": "h100", "cuda": "h100", "rocm": "h100", "cpu": "cpu"}
+
+
+def profile_for_device(platform: str, device_kind: str = "") -> HardwareProfile:
+    """The profile of the chip a program runs on: the one place that maps a backend to figures.
+
+    Args:
+      platform: ``jax.default_backend()`` (``tpu``, ``gpu``, ``cpu``).
+      device_kind: ``jax.devices()[0].device_kind`` (``"TPU v5 lite"``, ``"NVIDIA H200"``); it
+        picks the generation when it names one, else the platform's default profile is used.
+
+    Takes strings rather than devices so that pure-Python users (the serving cost model) need no
+    jax import.
+    """
+    kind = device_kind.lower()
+    for needle, name in _DEVICE_KINDS:
+        if needle in kind:
+            return PROFILES[name]
+    key = platform.strip().lower()
+    if key not in _PLATFORM_DEFAULTS:
+        raise ValueError(f"no hardware profile for platform {platform!r}")
+    return PROFILES[_PLATFORM_DEFAULTS[key]]

@@ -39,3 +39,15 @@ def test_required_profiles_exist_with_sources():
         p = PROFILES[name]
         assert p.peak_flops > 0 and p.hbm_bytes > 0 and p.source
     assert get_profile("H100") is PROFILES["h100"]
+
+
+def test_profile_for_device_reads_generation_then_platform():
+    from tapas_jax.hardware import profile_for_device
+
+    assert profile_for_device("tpu", "TPU v5 lite").name == "tpu-v5e"
+    assert profile_for_device("tpu", "TPU v4").name == "tpu-v4"
+    assert profile_for_device("gpu", "NVIDIA H200").name == "h200"
+    assert profile_for_device("gpu", "NVIDIA A100-SXM4-40GB").name == "h100"
+    assert profile_for_device("cpu", "cpu").name == "cpu"
+    with pytest.raises(ValueError, match="platform"):
+        profile_for_device("quantum")
