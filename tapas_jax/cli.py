@@ -44,7 +44,7 @@ _FLAGS = {
 
 def _parser(command: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m tapas_jax {command}")
-    p.add_argument("--config", help="preset name in configs/tapas/ or a YAML path")
+    p.add_argument("--config", help="preset name (tapas_jax/presets/) or a path to a .yaml file")
     for name, typ in _FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
     p.add_argument("--json", help="write the result as JSON to this file")

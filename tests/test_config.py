@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from tapas_jax.config import ConfigError, PlanConfig, load_config, preset_path
+from tapas_jax.config import ConfigError, PlanConfig, load_config, preset_names, preset_path
 
 
 def test_defaults_without_file():
@@ -52,9 +52,62 @@ def test_unknown_override_names_key():
 def test_missing_file_and_unknown_preset(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(PlanConfig, tmp_path / "nope.yaml")
-    with pytest.raises(ConfigError, match="no preset 'nope' for tapas"):
+    with pytest.raises(ConfigError, match="no preset 'nope' for tapas.*gpt_tiny_cpu"):
         preset_path("tapas", "nope")
     bad = tmp_path / "list.yaml"
     bad.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping at the top level"):
         load_config(PlanConfig, bad)
+
+
+def test_presets_ship_inside_each_package():
+    cases = (("tapas", "gpt_tiny_cpu"), ("serve", "tiny_cpu"), ("paragan", "digits_cpu"))
+    for package, name in cases:
+        path = preset_path(package, name)
+        assert path.parent.name == "presets" and path.parent.parent.name == f"{package}_jax"
+        assert name in preset_names(package)
+    assert preset_path("serve_jax", "tiny_cpu") == preset_path("serve", "tiny_cpu")
+
+
+@pytest.mark.parametrize("name", ["../tapas/gpt_tiny_cpu", "/etc/shadow", "/etc/passwd", "presets"])
+def test_preset_outside_the_package_is_refused(name):
+    with pytest.raises(ConfigError, match="known presets: .*gpt_tiny_cpu") as info:
+        preset_path("tapas", name)
+    assert repr(name) in str(info.value)
+
+
+def test_explicit_yaml_path(tmp_path):
+    f = tmp_path / "mine.yml"
+    f.write_text("layers: 5\n")
+    assert preset_path("tapas", f) == f
+    assert load_config(PlanConfig, preset_path("tapas", str(f))).layers == 5
+    with pytest.raises(ConfigError, match="does not exist"):
+        preset_path("tapas", tmp_path / "missing.yaml")
+
+
+def test_file_contents_are_never_echoed(tmp_path):
+    secret = "hunter2-secret-line"
+    cases = {
+        "keys.yaml": f"{secret}:x:0:0:{secret}:/root:/bin/bash\n",  # /etc/passwd-like
+        "syntax.yaml": f"a: [{secret}\n",
+        "tag.yaml": f"layers: !!python/object:os.system {secret}\n",
+        "type.yaml": f"layers: {secret}\n",
+        "binary.yaml": b"\xff\xfe" + secret.encode(),
+    }
+    for name, text in cases.items():
+        f = tmp_path / name
+        f.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(ConfigError) as info:
+            load_config(PlanConfig, f)
+        assert secret not in str(info.value) and name in str(info.value)
+
+
+def test_type_error_names_the_expected_type():
+    with pytest.raises(ConfigError, match=r"key 'layers': expected int, got 'many'"):
+        load_config(PlanConfig, None, ["layers=many"])
+
+
+@pytest.mark.parametrize("item", ["x=!!python/object:os.system", "model=!!python/name:os.system"])
+def test_yaml_tag_override_is_a_config_error(item):
+    with pytest.raises(ConfigError, match="YAML tags are not allowed"):
+        load_config(PlanConfig, None, [item])
