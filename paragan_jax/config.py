@@ -1,7 +1,7 @@
 """Typed configuration of a paragan_jax run: frozen dataclasses loaded from YAML presets.
 
 A run is described by one `TrainConfig` with a section per concern (model, data, optimizers,
-scheme, sharding, checkpoints, evaluation). Presets live in ``configs/paragan/*.yaml`` and are
+scheme, sharding, checkpoints, evaluation). Presets live in ``paragan_jax/presets/*.yaml`` and are
 loaded with `load_train_config`, which goes through `tapas_jax.config.load_config`: unknown keys
 and wrong types are errors naming the key and the file (or "command line") they came from.
 Cross-field checks that OmegaConf cannot express (a resolution that is not a power of two, a batch
@@ -292,7 +292,7 @@ def load_train_config(
     """Loads a `TrainConfig` from a preset name (``digits_cpu``) or YAML path, plus overrides.
 
     Args:
-      preset: a name under ``configs/paragan/`` or a path to a YAML file; None = defaults.
+      preset: a name under ``paragan_jax/presets/`` or a path to a YAML file; None = defaults.
       overrides: dotted ``key=value`` strings (``model.z_dim=64``) or a mapping.
 
     Returns:

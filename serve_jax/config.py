@@ -1,4 +1,4 @@
-"""Engine and server configuration: frozen dataclasses loaded from ``configs/serve/*.yaml``.
+"""Engine and server configuration: frozen dataclasses loaded from ``serve_jax/presets/*.yaml``.
 
 Load with ``load_engine_config("tiny_cpu", ["cache.num_device_blocks=64"])`` (a preset name or a
 YAML path, then dotted overrides); unknown keys are errors naming the key and the file.
