@@ -26,8 +26,8 @@ _EXPORTS = {
     "SchedulerView": "serve_jax.scheduler",
     "CostHints": "serve_jax.scheduler",
     "KVBlockManager": "serve_jax.kv_blocks",
-    "ModelConfig": "serve_jax.model",
-    "get_model_config": "serve_jax.model",
+    "ModelConfig": "serve_jax.model_config",
+    "get_model_config": "serve_jax.model_config",
     "init_model": "serve_jax.model",
 }
 

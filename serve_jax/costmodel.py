@@ -12,7 +12,8 @@ FLOPs of a forward pass over ``t`` new tokens are ``2 * P * t`` for the matmuls 
 non-embedding parameters plus the output projection) plus ``4 * H * D * L`` per (query, key) pair
 for attention. Bytes are the weights read once per step, the KV cache read by attention and the
 new KV written. Chip figures come from `tapas_jax.hardware` so every cost model of the stack
-agrees; the model shapes are Llama-family presets.
+agrees; the model shapes are the `serve_jax.model_config.ModelConfig` presets the engine serves
+(``llama-7b``, ``llama-13b``, ``llama3-8b``, ``tiny``, ...), at their parameter dtype.
 
 KV capacity: a paged cache of ``block_size`` tokens per block holds
 ``floor(kv_bytes / (block_size * kv_bytes_per_token))`` blocks, where ``kv_bytes`` is either given
@@ -25,97 +26,34 @@ import dataclasses
 import math
 from collections.abc import Iterable
 
+from serve_jax.model_config import ModelConfig, get_model_config
 from tapas_jax.hardware import HardwareProfile, get_profile
 
 __all__ = [
-    "ModelShape",
-    "MODELS",
-    "get_model_shape",
+    "matmul_params",
+    "weight_bytes",
     "RooflineCostModel",
     "kv_capacity_blocks",
     "blocks_for_tokens",
 ]
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """The shape of a Llama-style decoder: enough to count FLOPs and bytes."""
-
-    name: str
-    """Short name used on command lines, e.g. ``llama-7b``."""
-    num_layers: int
-    """Transformer blocks."""
-    hidden_size: int
-    """Model width."""
-    num_heads: int
-    """Query heads."""
-    num_kv_heads: int
-    """Key/value heads (fewer than query heads under grouped-query attention)."""
-    head_dim: int
-    """Width of one head."""
-    intermediate_size: int
-    """Width of the gated MLP."""
-    vocab_size: int
-    """Vocabulary size (embedding and output projection)."""
-    dtype_bytes: int = 2
-    """Bytes per weight and per KV element (bf16: 2)."""
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if isinstance(value, int) and value <= 0:
-                raise ValueError(f"ModelShape.{field.name} must be positive, got {value}")
-
-    @property
-    def matmul_params(self) -> int:
-        """Parameters touched by a matmul per token: blocks plus the output projection."""
-        d, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        q = self.num_heads * self.head_dim
-        attn = d * q + 2 * d * kv + q * d
-        mlp = 3 * d * self.intermediate_size
-        return self.num_layers * (attn + mlp) + d * self.vocab_size
-
-    @property
-    def total_params(self) -> int:
-        """All parameters, the input embedding included (what sits in HBM)."""
-        return self.matmul_params + self.hidden_size * self.vocab_size
-
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes of the weights in HBM."""
-        return self.total_params * self.dtype_bytes
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V of one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+def matmul_params(model: ModelConfig) -> int:
+    """Parameters a matmul touches per token: the blocks plus the output projection."""
+    d, kv = model.d_model, model.n_kv_heads * model.head_dim
+    q = model.n_heads * model.head_dim
+    attn = d * q + 2 * d * kv + q * d
+    mlp = 3 * d * model.ffn_dim
+    return model.n_layers * (attn + mlp) + d * model.vocab_size
 
 
-MODELS: dict[str, ModelShape] = {
-    m.name: m
-    for m in [
-        # Llama-2-7B: 32 layers, d=4096, 32 heads (MHA), MLP 11008, vocab 32000 (6.7B params).
-        ModelShape("llama-7b", 32, 4096, 32, 32, 128, 11008, 32000),
-        # Llama-2-13B: 40 layers, d=5120, 40 heads, MLP 13824.
-        ModelShape("llama-13b", 40, 5120, 40, 40, 128, 13824, 32000),
-        # Llama-3-8B: grouped-query attention with 8 KV heads, vocab 128256.
-        ModelShape("llama3-8b", 32, 4096, 32, 8, 128, 14336, 128256),
-    ]
-}
-
-
-def get_model_shape(name: str | ModelShape) -> ModelShape:
-    """Looks up a model shape by name (case-insensitive); passes a shape through."""
-    if isinstance(name, ModelShape):
-        return name
-    key = name.strip().lower()
-    if key not in MODELS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
-    return MODELS[key]
+def weight_bytes(model: ModelConfig) -> int:
+    """Bytes of the weights in HBM (matmul weights and the input embedding; norms neglected)."""
+    return (matmul_params(model) + model.d_model * model.vocab_size) * model.dtype_bytes
 
 
 def kv_capacity_blocks(
-    model: ModelShape | str,
+    model: ModelConfig | str,
     hardware: HardwareProfile | str,
     *,
     block_size: int = 16,
@@ -125,7 +63,7 @@ def kv_capacity_blocks(
     """Number of KV blocks that fit in device memory.
 
     Args:
-      model: model shape or its name.
+      model: model config or its preset name.
       hardware: hardware profile or its name.
       block_size: tokens per KV block.
       kv_memory_gb: bytes (in 1e9) given to the KV cache; None takes
@@ -138,23 +76,24 @@ def kv_capacity_blocks(
     Raises:
       ValueError: non-positive sizes, or weights that do not fit the chip.
     """
-    model, hw = get_model_shape(model), get_profile(hardware)
+    model, hw = get_model_config(model), get_profile(hardware)
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if kv_memory_gb is None:
         if not 0.0 < memory_utilization <= 1.0:
             raise ValueError(f"memory_utilization must be in (0, 1], got {memory_utilization}")
-        kv_bytes = hw.hbm_bytes * memory_utilization - model.weight_bytes
+        weights = weight_bytes(model)
+        kv_bytes = hw.hbm_bytes * memory_utilization - weights
         if kv_bytes <= 0:
             raise ValueError(
-                f"{model.name} weights ({model.weight_bytes / 1e9:.1f} GB) do not fit "
+                f"the model's weights ({weights / 1e9:.1f} GB) do not fit "
                 f"{hw.name} at memory_utilization={memory_utilization}"
             )
     else:
         if kv_memory_gb <= 0:
             raise ValueError(f"kv_memory_gb must be positive, got {kv_memory_gb}")
         kv_bytes = kv_memory_gb * 1e9
-    return int(kv_bytes // (block_size * model.kv_bytes_per_token))
+    return int(kv_bytes // (block_size * model.kv_bytes_per_token()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +105,8 @@ class RooflineCostModel:
     bandwidth in decode), and the per-step overhead stands for launch and scheduling costs.
     """
 
-    model: ModelShape
-    """Model shape."""
+    model: ModelConfig
+    """Model shapes and dtype."""
     hardware: HardwareProfile
     """Chip profile."""
     block_size: int = 16
@@ -201,10 +140,10 @@ class RooflineCostModel:
         # Constants of forward_seconds, computed once (the simulator calls it every step).
         m, hw = self.model, self.hardware
         consts = {
-            "_flops_per_token": 2.0 * m.matmul_params,
-            "_flops_per_pair": 4.0 * m.num_heads * m.head_dim * m.num_layers,
-            "_weight_bytes": float(m.weight_bytes),
-            "_kv_bytes": float(m.kv_bytes_per_token),
+            "_flops_per_token": 2.0 * matmul_params(m),
+            "_flops_per_pair": 4.0 * m.n_heads * m.head_dim * m.n_layers,
+            "_weight_bytes": float(weight_bytes(m)),
+            "_kv_bytes": float(m.kv_bytes_per_token()),
             "_flops_rate": hw.peak_flops * self.flops_efficiency,
             "_hbm_rate": hw.hbm_bandwidth * self.hbm_efficiency,
         }
@@ -213,17 +152,17 @@ class RooflineCostModel:
 
     @classmethod
     def create(
-        cls, model: str | ModelShape = "llama-7b", hardware: str | HardwareProfile = "h100", **kw
+        cls, model: str | ModelConfig = "llama-7b", hardware: str | HardwareProfile = "h100", **kw
     ) -> RooflineCostModel:
-        """Builds a cost model from a model name and a hardware name."""
-        return cls(model=get_model_shape(model), hardware=get_profile(hardware), **kw)
+        """Builds a cost model from a model preset name (or config) and a hardware name."""
+        return cls(model=get_model_config(model), hardware=get_profile(hardware), **kw)
 
     # -- primitive --------------------------------------------------------------------------
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one KV block."""
-        return self.block_size * self.model.kv_bytes_per_token
+        return self.block_size * self.model.kv_bytes_per_token()
 
     def forward_seconds(
         self, new_tokens: float, attention_pairs: float, kv_read_tokens: float

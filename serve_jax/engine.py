@@ -163,7 +163,8 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
     ):
         from serve_jax.executor import JaxExecutor
-        from serve_jax.model import get_model_config, init_model, load_safetensors
+        from serve_jax.model import init_model, load_safetensors
+        from serve_jax.model_config import get_model_config
         from serve_jax.tokenizer import load_tokenizer
 
         self.config = config or EngineConfig()

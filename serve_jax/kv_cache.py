@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from serve_jax.attention import context_attention, paged_attention
-from serve_jax.model import ModelConfig
+from serve_jax.model_config import ModelConfig
 
 __all__ = ["PagedKVView", "DenseKVView", "make_kv_pools", "pool_shape"]
 
@@ -42,7 +42,7 @@ def make_kv_pools(
     where = sharding if sharding is not None else (device or jax.devices()[0])
 
     def one():
-        return jax.device_put(jnp.zeros(shape, cfg.jnp_dtype), where)
+        return jax.device_put(jnp.zeros(shape, jnp.dtype(cfg.dtype)), where)
 
     k = tuple(one() for _ in range(cfg.n_layers))
     v = tuple(one() for _ in range(cfg.n_layers))
@@ -103,8 +103,8 @@ class DenseKVView:
     ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         """Zeroed K and V caches, one [batch, KV, max_len, D] array per layer."""
         shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        k = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.n_layers))
-        v = tuple(jnp.zeros(shape, cfg.jnp_dtype) for _ in range(cfg.n_layers))
+        k = tuple(jnp.zeros(shape, jnp.dtype(cfg.dtype)) for _ in range(cfg.n_layers))
+        v = tuple(jnp.zeros(shape, jnp.dtype(cfg.dtype)) for _ in range(cfg.n_layers))
         return k, v
 
     def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:

@@ -299,7 +299,8 @@ def decode_step_benchmark(
     from flax import nnx
 
     from serve_jax.kv_cache import DenseKVView, make_kv_pools
-    from serve_jax.model import count_params, get_model_config, init_model
+    from serve_jax.model import count_params, init_model
+    from serve_jax.model_config import get_model_config
     from serve_jax.sampling import sample_tokens
 
     cfg = get_model_config(preset, max_seq_len=context + steps + 8, dtype=dtype)
@@ -400,7 +401,8 @@ def offload_overlap_benchmark(
     from flax import nnx
 
     from serve_jax.kv_cache import make_kv_pools
-    from serve_jax.model import get_model_config, init_model
+    from serve_jax.model import init_model
+    from serve_jax.model_config import get_model_config
     from serve_jax.offload import HostKVTier
 
     cfg = get_model_config(preset, max_seq_len=context + steps + 8)

@@ -5,24 +5,26 @@ them to a cache view (`serve_jax.kv_cache.PagedKVView` for serving, `DenseKVView
 reference), which writes k and v where they belong and returns the attention output. So one set of
 weights and one forward serve the paged engine and the dense reference alike.
 
-Presets: ``tiny`` (tests), ``small`` (~24M parameters, the CPU demo) and ``llama-7b`` (shapes for
-planning and simulation; not meant to be instantiated on CPU). Weights come from random init
-(`init_model`) or a safetensors file on disk (`load_safetensors`); nothing is downloaded.
+Shapes and their presets (``tiny``, ``small``, ``llama-7b``, ...) live in the jax-free
+`serve_jax.model_config`. Weights come from random init (`init_model`) or a safetensors file on
+disk (`load_safetensors`); nothing is downloaded.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from pathlib import Path
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+
+from serve_jax.model_config import ModelConfig
 
 __all__ = [
-    "ModelConfig",
-    "PRESETS",
-    "get_model_config",
     "Decoder",
     "init_model",
     "count_params",
@@ -30,90 +32,6 @@ __all__ = [
     "save_safetensors",
     "apply_rope",
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Shapes of a Llama-style decoder."""
-
-    vocab_size: int = 512
-    """Vocabulary size (the byte tokenizer needs at least 259)."""
-    d_model: int = 64
-    """Hidden width."""
-    n_layers: int = 2
-    """Decoder blocks."""
-    n_heads: int = 4
-    """Query heads."""
-    n_kv_heads: int = 2
-    """Key/value heads (grouped-query attention); divides n_heads."""
-    head_dim: int = 16
-    """Width of one head."""
-    ffn_dim: int = 128
-    """SwiGLU hidden width."""
-    rope_theta: float = 10000.0
-    """RoPE base."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
-    max_seq_len: int = 512
-    """Longest context the model serves."""
-    dtype: str = "float32"
-    """Parameter and activation dtype (float32 on CPU, bfloat16 on accelerators)."""
-
-    def __post_init__(self):
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-
-    @property
-    def jnp_dtype(self):
-        return jnp.dtype(self.dtype)
-
-    def num_params(self) -> int:
-        """Parameter count from the shapes."""
-        d, h, kv, hd = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
-        attn = d * h * hd * 2 + d * kv * hd * 2
-        mlp = 3 * d * self.ffn_dim
-        return self.n_layers * (attn + mlp + 2 * d) + 2 * self.vocab_size * d + d
-
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V per token over all layers."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.jnp_dtype.itemsize
-
-
-PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(),
-    "small": ModelConfig(
-        vocab_size=512,
-        d_model=512,
-        n_layers=8,
-        n_heads=8,
-        n_kv_heads=4,
-        head_dim=64,
-        ffn_dim=1408,
-        max_seq_len=2048,
-    ),
-    "llama-7b": ModelConfig(
-        vocab_size=32000,
-        d_model=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=32,
-        head_dim=128,
-        ffn_dim=11008,
-        max_seq_len=4096,
-        dtype="bfloat16",
-    ),
-}
-
-
-def get_model_config(name: str, **overrides) -> ModelConfig:
-    """A preset by name, with field overrides (``dtype="bfloat16"``)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
 
 
 class KVView(Protocol):
@@ -150,8 +68,8 @@ def _linear(din: int, dout: int, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Linear
         din,
         dout,
         use_bias=False,
-        dtype=cfg.jnp_dtype,
-        param_dtype=cfg.jnp_dtype,
+        dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.dtype),
         kernel_init=nnx.initializers.normal(stddev=din**-0.5),
         rngs=rngs,
     )
@@ -190,9 +108,9 @@ class SwiGLU(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.jnp_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, jnp.dtype(cfg.dtype))
         self.attn = Attention(cfg, layer, rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.jnp_dtype)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, jnp.dtype(cfg.dtype))
         self.mlp = SwiGLU(cfg, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: KVView) -> jax.Array:
@@ -208,13 +126,13 @@ class Decoder(nnx.Module):
         self.embed = nnx.Embed(
             cfg.vocab_size,
             cfg.d_model,
-            dtype=cfg.jnp_dtype,
-            param_dtype=cfg.jnp_dtype,
+            dtype=jnp.dtype(cfg.dtype),
+            param_dtype=jnp.dtype(cfg.dtype),
             embedding_init=nnx.initializers.normal(stddev=1.0),
             rngs=rngs,
         )
         self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(cfg.n_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.jnp_dtype)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, jnp.dtype(cfg.dtype))
         self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
 
     def hidden(self, tokens: jax.Array, positions: jax.Array, kv: KVView) -> jax.Array:
@@ -249,9 +167,6 @@ def _flat_params(model: nnx.Module) -> dict[str, jax.Array]:
 
 def save_safetensors(model: nnx.Module, path: str) -> None:
     """Writes the parameters to a safetensors file (names are dotted NNX paths)."""
-    import numpy as np
-    from safetensors.numpy import save_file
-
     save_file({k: np.asarray(v) for k, v in _flat_params(model).items()}, path)
 
 
@@ -259,11 +174,16 @@ def load_safetensors(model: nnx.Module, path: str) -> None:
     """Loads parameters saved by `save_safetensors` into ``model`` in place.
 
     Raises:
-      ValueError: a missing or unexpected tensor, or a shape mismatch, naming the tensor.
+      FileNotFoundError: no such file.
+      ValueError: a file that is not a safetensors checkpoint (its contents are not echoed), a
+        missing or unexpected tensor, or a shape mismatch, naming the tensor.
     """
-    from safetensors.numpy import load_file
-
-    tensors = load_file(path)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist or is not a file")
+    try:
+        tensors = load_file(path)
+    except SafetensorError:
+        raise ValueError(f"{str(path)!r} is not a safetensors checkpoint") from None
     state = nnx.state(model, nnx.Param)
     flat = nnx.to_flat_state(state)
     names = set()

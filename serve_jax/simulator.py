@@ -215,7 +215,7 @@ class SimConfig:
     """Everything a simulation needs besides the workload and the policy."""
 
     model: str = "llama-7b"
-    """Model shape (see `serve_jax.costmodel.MODELS`)."""
+    """Model preset (see `serve_jax.model_config.PRESETS`), priced at its dtype."""
     hardware: str = "h100"
     """Hardware profile (see `tapas_jax.hardware.PROFILES`)."""
     kv_memory_gb: float | None = 8.0
@@ -717,7 +717,7 @@ def replay_on_engine(
 def simulator_config_for_engine(engine_config: Any, **overrides: Any) -> SimConfig:
     """The `SimConfig` whose scheduler matches an engine config (blocks, limits, model length)."""
     cc, sc = engine_config.cache, engine_config.scheduler
-    from serve_jax.model import get_model_config
+    from serve_jax.model_config import get_model_config
 
     mc = engine_config.model
     kw = {"max_seq_len": mc.max_seq_len} if mc.max_seq_len else {}

@@ -43,17 +43,25 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A ``tokenizers`` tokenizer loaded from a local ``tokenizer.json``."""
+    """A ``tokenizers`` tokenizer loaded from a local ``tokenizer.json``.
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: a file that is not a ``tokenizer.json`` (its contents are not echoed).
+    """
 
     def __init__(
         self, path: str | Path, bos_token: str | None = None, eos_token: str | None = None
     ):
-        from tokenizers import Tokenizer as _Tok
+        from tokenizers import Tokenizer as _Tok  # optional: only for a tokenizer.json
 
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist")
-        self._tok = _Tok.from_file(str(path))
+        try:
+            self._tok = _Tok.from_file(str(path))
+        except Exception:  # tokenizers raises a bare Exception whose text may quote the file
+            raise ValueError(f"{str(path)!r} is not a tokenizer.json file") from None
         self.vocab_size = self._tok.get_vocab_size()
         self.bos_id = self._tok.token_to_id(bos_token) if bos_token else None
         self.eos_id = self._tok.token_to_id(eos_token) if eos_token else None

@@ -19,12 +19,8 @@ from serve_jax.attention import context_attention, paged_attention
 from serve_jax.config import load_engine_config
 from serve_jax.engine import Engine
 from serve_jax.kv_cache import dense_greedy_generate
-from serve_jax.model import (
-    get_model_config,
-    init_model,
-    load_safetensors,
-    save_safetensors,
-)
+from serve_jax.model import init_model, load_safetensors, save_safetensors
+from serve_jax.model_config import get_model_config
 from serve_jax.sampling import SamplingParams
 from serve_jax.scheduler import FcfsLastPolicy, PreemptMode
 

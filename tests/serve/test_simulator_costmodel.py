@@ -4,23 +4,40 @@ from __future__ import annotations
 
 import pytest
 
-from serve_jax.costmodel import RooflineCostModel, get_model_shape, kv_capacity_blocks
+from serve_jax.costmodel import (
+    RooflineCostModel,
+    kv_capacity_blocks,
+    matmul_params,
+    weight_bytes,
+)
+from serve_jax.model_config import get_model_config
 from tapas_jax.hardware import get_profile
 
 
 def test_llama_7b_shape():
-    m = get_model_shape("llama-7b")
-    assert m.total_params == pytest.approx(6.74e9, rel=0.01)
-    assert m.kv_bytes_per_token == 2 * 32 * 4096 * 2
+    m = get_model_config("llama-7b")
+    assert weight_bytes(m) / 2 == pytest.approx(6.74e9, rel=0.01)
+    assert m.num_params() == pytest.approx(6.74e9, rel=0.01)
+    assert m.kv_bytes_per_token() == 2 * 32 * 4096 * 2
+
+
+def test_the_served_model_is_priced_at_its_dtype():
+    """The simulator prices an engine's model (any preset, its dtype), not a separate table."""
+    tiny = get_model_config("tiny")
+    c = RooflineCostModel.create(tiny, "h100")
+    assert c.block_bytes == 16 * 2 * 2 * 2 * 16 * 4  # block x K,V x layers x kv heads x dim x f32
+    half = RooflineCostModel.create(get_model_config("tiny", dtype="bfloat16"), "h100")
+    assert half.block_bytes * 2 == c.block_bytes
+    assert half.decode_seconds(4, 400) < c.decode_seconds(4, 400)
 
 
 def test_decode_is_memory_bound_and_prefill_compute_bound():
     c = RooflineCostModel.create("llama-7b", "h100")
-    hw, m = get_profile("h100"), get_model_shape("llama-7b")
-    t_hbm = (m.weight_bytes + m.kv_bytes_per_token * 1) / (hw.hbm_bandwidth * 0.8)
+    hw, m = get_profile("h100"), get_model_config("llama-7b")
+    t_hbm = (weight_bytes(m) + m.kv_bytes_per_token() * 1) / (hw.hbm_bandwidth * 0.8)
     assert c.decode_seconds(1, 0) == pytest.approx(t_hbm + 1e-3, rel=1e-6)
     n = 4096
-    flops = 2 * m.matmul_params * n + 4 * 32 * 128 * 32 * n * (n + 1) / 2
+    flops = 2 * matmul_params(m) * n + 4 * 32 * 128 * 32 * n * (n + 1) / 2
     assert c.prefill_seconds(n) == pytest.approx(flops / (hw.peak_flops * 0.6) + 1e-3, rel=1e-6)
     # More context makes a decode step slower; a bigger batch costs little when memory-bound.
     assert c.decode_seconds(8, 8 * 4000) > c.decode_seconds(8, 8 * 100)
@@ -36,7 +53,7 @@ def test_chips_rank_as_their_bandwidth():
 def test_kv_capacity_and_transfer():
     assert kv_capacity_blocks("llama-7b", "h100", kv_memory_gb=8) == 8e9 // (16 * 524288)
     # From HBM: 90% of 80 GB minus 13.5 GB of weights.
-    free = 80e9 * 0.9 - get_model_shape("llama-7b").weight_bytes
+    free = 80e9 * 0.9 - weight_bytes(get_model_config("llama-7b"))
     assert kv_capacity_blocks("llama-7b", "h100") == int(free // (16 * 524288))
     c = RooflineCostModel.create("llama-7b", "h100")
     assert c.transfer_seconds(100) == pytest.approx(2e-5 + 100 * 16 * 524288 / (5e10 * 0.8))
@@ -45,7 +62,9 @@ def test_kv_capacity_and_transfer():
 
 def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match="unknown model"):
-        get_model_shape("gpt-9")
+        RooflineCostModel.create("gpt-9", "h100")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        get_model_config("tiny", dtype="int3")
     with pytest.raises(ValueError, match="do not fit"):
         kv_capacity_blocks("llama-13b", "tpu-v5e")
     with pytest.raises(ValueError, match="kv_memory_gb"):
