@@ -1,4 +1,4 @@
-"""``python -m paragan_jax <command>``."""
+"""``python -m paragan_jax <command>`` and the ``paragan`` console script (same commands)."""
 
 import sys
 
@@ -13,5 +13,11 @@ COMMANDS = {
     "scaling": ("paragan_jax.scale_cli", "predicted step time and scaling efficiency at scale"),
 }
 
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``paragan`` console script and ``python -m paragan_jax``: runs a command."""
+    return dispatch("paragan_jax", COMMANDS, sys.argv[1:] if argv is None else argv)
+
+
 if __name__ == "__main__":
-    sys.exit(dispatch("paragan_jax", COMMANDS, sys.argv[1:]))
+    sys.exit(main())

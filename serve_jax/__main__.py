@@ -1,4 +1,4 @@
-"""``python -m serve_jax <command>``."""
+"""``python -m serve_jax <command>`` and the ``serve-jax`` console script (same commands)."""
 
 import sys
 
@@ -11,5 +11,11 @@ COMMANDS = {
     "simulate": ("serve_jax.simulate_cli", "compare preemption policies in the simulator"),
 }
 
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``serve-jax`` console script and ``python -m serve_jax``: runs a command."""
+    return dispatch("serve_jax", COMMANDS, sys.argv[1:] if argv is None else argv)
+
+
 if __name__ == "__main__":
-    sys.exit(dispatch("serve_jax", COMMANDS, sys.argv[1:]))
+    sys.exit(main())

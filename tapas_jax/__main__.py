@@ -1,4 +1,4 @@
-"""``python -m tapas_jax <command>``."""
+"""``python -m tapas_jax <command>`` and the ``tapas`` console script (same commands)."""
 
 import sys
 
@@ -11,5 +11,11 @@ COMMANDS = {
     "bench": ("tapas_jax.cli", "search time and plan cost against the integer-program baseline"),
 }
 
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``tapas`` console script and ``python -m tapas_jax``: runs a command."""
+    return dispatch("tapas_jax", COMMANDS, sys.argv[1:] if argv is None else argv)
+
+
 if __name__ == "__main__":
-    sys.exit(dispatch("tapas_jax", COMMANDS, sys.argv[1:]))
+    sys.exit(main())

@@ -14,12 +14,21 @@ written as JSON with a log-scale plot of search time against depth next to it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
+from . import zoo
+from .commands import command_parser
 from .config import PlanConfig
+from .cost import build_problem
+from .fold import fold_repeated_blocks, no_folding
+from .graph import build_graph
+from .hardware import get_profile
+from .ilp import solve_ilp
+from .mesh import parse_mesh_spec
+from .planner import cost_with_param_specs
+from .search import solve
 
 __all__ = ["main", "bench_row"]
 
@@ -33,15 +42,6 @@ def bench_row(
     batch_axis: str | None = "data",
 ) -> dict:
     """One row of the benchmark: search seconds and plan cost of tapas, ILP and Megatron."""
-    from . import zoo
-    from .cost import build_problem
-    from .fold import fold_repeated_blocks, no_folding
-    from .graph import build_graph
-    from .hardware import get_profile
-    from .ilp import solve_ilp
-    from .planner import cost_with_param_specs
-    from .search import solve
-
     hw = get_profile(hardware)
     model = zoo.build("gpt", layers=layers, **dims)
     t0 = time.perf_counter()
@@ -123,7 +123,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str]) -> int:
     d = PlanConfig()
-    p = argparse.ArgumentParser(prog="python -m tapas_jax bench", description=__doc__)
+    p = command_parser("tapas_jax", "bench", description=__doc__)
     p.add_argument("--layers", default="2,4,8,16,24", help="comma-separated depths")
     p.add_argument("--d-model", type=int, default=d.d_model)
     p.add_argument("--heads", type=int, default=d.heads)
@@ -145,8 +145,6 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--json", default="bench.json")
     args = p.parse_args(argv[1:])
-    from .mesh import parse_mesh_spec
-
     try:
         depths = [int(x) for x in args.layers.split(",") if x.strip()]
     except ValueError:

@@ -11,7 +11,9 @@
   (`tapas_jax.bench`).
 
 Model and mesh options come from `tapas_jax.config.PlanConfig` (a preset via ``--config`` plus
-flags and dotted ``key=value`` overrides).
+flags and dotted ``key=value`` overrides). A bad mesh, hardware or model name, or a model that fits
+no plan in the memory limit, is raised as a ValueError, which `tapas_jax.commands.dispatch` prints
+as one line (exit status 2).
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ import sys
 import time
 from pathlib import Path
 
+from . import zoo
+from .bench import main as bench_main
+from .commands import command_parser
 from .config import PlanConfig, load_config, preset_path
+from .mesh import abstract_mesh, make_mesh
+from .planner import plan
+from .verification import verify
 
 __all__ = ["main", "config_from_args", "build_model", "mesh_for"]
 
@@ -43,12 +51,16 @@ _FLAGS = {
 
 
 def _parser(command: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m tapas_jax {command}")
-    p.add_argument("--config", help="preset name (tapas_jax/presets/) or a path to a .yaml file")
+    p = command_parser("tapas_jax", command, PlanConfig, description=__doc__, example="layers=8")
     for name, typ in _FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None)
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=typ,
+            default=None,
+            help=f"same as {name}=...",
+        )
     p.add_argument("--json", help="write the result as JSON to this file")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides of PlanConfig")
     return p
 
 
@@ -61,8 +73,6 @@ def config_from_args(args: argparse.Namespace) -> PlanConfig:
 
 def build_model(cfg: PlanConfig, **extra):
     """The zoo model a config names."""
-    from . import zoo
-
     return zoo.build(
         cfg.model,
         layers=cfg.layers,
@@ -79,8 +89,6 @@ def build_model(cfg: PlanConfig, **extra):
 
 def mesh_for(cfg: PlanConfig):
     """A real mesh over the local devices, or an abstract one of ``num_devices`` chips."""
-    from .mesh import abstract_mesh, make_mesh
-
     if cfg.num_devices is not None:
         return abstract_mesh(cfg.mesh, cfg.num_devices)
     return make_mesh(cfg.mesh)
@@ -96,25 +104,18 @@ def _write(path: str | None, payload: dict) -> None:
 def _plan(argv: list[str]) -> int:
     args = _parser("plan").parse_args(argv[1:])
     cfg = config_from_args(args)
-    from .planner import plan
-    from .search import MemoryInfeasibleError
-
     t0 = time.perf_counter()
     mesh = mesh_for(cfg)
     model = build_model(cfg)
     limit = None if cfg.memory_limit_gib is None else cfg.memory_limit_gib * 2**30
-    try:
-        p = plan(
-            model.fn,
-            model.params,
-            *model.inputs,
-            mesh=mesh,
-            hardware=cfg.hardware,
-            memory_limit_bytes=limit,
-        )
-    except MemoryInfeasibleError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    p = plan(
+        model.fn,
+        model.params,
+        *model.inputs,
+        mesh=mesh,
+        hardware=cfg.hardware,
+        memory_limit_bytes=limit,
+    )
     total = time.perf_counter() - t0
     print(p)
     print(f"search {p.search_seconds:.3f} s; end to end (build, trace, fold, search) {total:.2f} s")
@@ -130,11 +131,7 @@ def _verify(argv: list[str]) -> int:
     args = _parser("verify").parse_args(argv[1:])
     cfg = config_from_args(args)
     if cfg.num_devices is not None:
-        print("error: verify compiles on local devices; drop --num-devices", file=sys.stderr)
-        return 2
-    from .planner import plan
-    from .verification import verify
-
+        raise ValueError("verify compiles on local devices; drop --num-devices")
     mesh = mesh_for(cfg)
     model = build_model(cfg)
     limit = None if cfg.memory_limit_gib is None else cfg.memory_limit_gib * 2**30
@@ -173,8 +170,5 @@ def main(argv: list[str]) -> int:
     if command == "verify":
         return _verify(argv)
     if command == "bench":
-        from .bench import main as bench_main
-
         return bench_main(argv)
-    print(f"unknown tapas command {command!r}", file=sys.stderr)
-    return 2
+    raise ValueError(f"unknown tapas command {command!r}")

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
+import jax
 
+from .commands import command_parser
 from .hardware import PROFILES
 from .mesh import make_mesh
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tapas_jax info", description=__doc__)
+    """Prints the devices, the resolved ``--mesh`` and a table of the hardware profiles."""
+    parser = command_parser("tapas_jax", "info", description=__doc__)
     parser.add_argument("--mesh", default="data=-1", help="mesh spec, e.g. data=2,model=4")
     args = parser.parse_args(argv[1:])
-    import jax
-
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.device_count()} devices")
     mesh = make_mesh(args.mesh)
     print(f"mesh {dict(mesh.shape)} axis types {mesh.axis_types}")

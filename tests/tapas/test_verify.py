@@ -5,6 +5,9 @@ import json
 import pytest
 
 from tapas_jax import cli
+from tapas_jax.__main__ import COMMANDS
+from tapas_jax.commands import dispatch
+from tapas_jax.search import MemoryInfeasibleError
 from tapas_jax.verification import count_collectives
 
 GPT_FLAGS = [
@@ -57,9 +60,12 @@ def test_plan_command_json_keys(tmp_path, capsys):
 
 
 def test_plan_command_memory_error(tmp_path, capsys):
-    code = cli.main(["plan", "--config", "gpt_tiny_cpu", "--memory-limit-gib", "1e-6"])
-    assert code == 1
-    assert "smallest memory that would fit" in capsys.readouterr().err
+    argv = ["plan", "--config", "gpt_tiny_cpu", "--memory-limit-gib", "1e-6"]
+    with pytest.raises(MemoryInfeasibleError, match="smallest memory that would fit"):
+        cli.main(argv)
+    assert dispatch("tapas_jax", COMMANDS, argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "smallest memory that would fit" in err
 
 
 def test_collectives_in_a_while_body_count_once_per_trip():

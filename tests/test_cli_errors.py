@@ -1,0 +1,167 @@
+"""The shared command convention: --version, hidden internal commands, one-line user errors, exit 2.
+
+The dispatcher is exercised through the real command registries of the three packages, plus a
+small command module written to a temporary directory for the behaviours no real command shows
+(an internal command, an error that is not the user's).
+"""
+
+import importlib
+import importlib.metadata
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from paragan_jax.__main__ import COMMANDS as PARAGAN_COMMANDS
+from serve_jax.__main__ import COMMANDS as SERVE_COMMANDS
+from tapas_jax.__main__ import COMMANDS as TAPAS_COMMANDS
+from tapas_jax.commands import Command, dispatch, error_line, version
+
+ROOT = Path(__file__).resolve().parent.parent
+REGISTRIES = {
+    "tapas_jax": TAPAS_COMMANDS,
+    "serve_jax": SERVE_COMMANDS,
+    "paragan_jax": PARAGAN_COMMANDS,
+}
+
+
+def _one_line_error(capsys, prog: str, command: str) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "Traceback" not in err
+    head = f"{prog} {command}: error: "
+    assert err.startswith(head), err
+    return err[len(head) :].strip()
+
+
+@pytest.fixture
+def toy_commands(tmp_path, monkeypatch):
+    """A registry over a throwaway command module: public, internal and failing commands."""
+    (tmp_path / "toy_cmds.py").write_text(
+        textwrap.dedent(
+            '''
+            """Commands for the dispatcher test."""
+
+
+            def main(argv):
+                if argv[0] == "worker":
+                    print("worker ran", argv[1:])
+                    return 0
+                if argv[0] == "missing":
+                    open("/nonexistent/dir/file.txt")
+                if argv[0] == "bug":
+                    raise RuntimeError("an internal bug")
+                raise ValueError("first line\\n  second line")
+            '''
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return {
+        "run": ("toy_cmds", "a public command"),
+        "missing": ("toy_cmds", "opens a file that does not exist"),
+        "bug": ("toy_cmds", "raises an error that is not the user's"),
+        "worker": Command("toy_cmds", "a worker entry point", internal=True),
+    }
+
+
+def test_version_is_the_distribution_version(capsys):
+    for package, registry in REGISTRIES.items():
+        assert dispatch(package, registry, ["--version"]) == 0
+        out = capsys.readouterr().out
+        assert out.strip().endswith(importlib.metadata.version("jax-parallel-stack"))
+    assert version() == importlib.metadata.version("jax-parallel-stack")
+
+
+def test_usage_lists_public_commands_only(toy_commands, capsys):
+    assert dispatch("toy", toy_commands, ["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "run" in out and "missing" in out and "--version" in out
+    assert "worker" not in out
+    assert dispatch("toy", toy_commands, []) == 2
+    assert "worker" not in capsys.readouterr().err
+
+
+def test_internal_command_still_runs(toy_commands, capsys):
+    assert dispatch("toy", toy_commands, ["worker", "--rank", "1"]) == 0
+    assert "worker ran ['--rank', '1']" in capsys.readouterr().out
+
+
+def test_user_errors_are_one_line_and_exit_2(toy_commands, capsys):
+    assert dispatch("toy", toy_commands, ["run"]) == 2
+    assert _one_line_error(capsys, "python -m toy", "run") == "first line; second line"
+    assert dispatch("toy", toy_commands, ["missing"]) == 2
+    msg = _one_line_error(capsys, "python -m toy", "missing")
+    assert msg == "/nonexistent/dir/file.txt: No such file or directory"
+
+
+def test_debug_env_reraises_and_bugs_keep_their_traceback(toy_commands, monkeypatch):
+    with pytest.raises(RuntimeError, match="an internal bug"):
+        dispatch("toy", toy_commands, ["bug"])
+    monkeypatch.setenv("JAXSTACK_DEBUG", "1")
+    with pytest.raises(ValueError, match="first line"):
+        dispatch("toy", toy_commands, ["run"])
+
+
+def test_unknown_command(capsys):
+    assert dispatch("tapas_jax", TAPAS_COMMANDS, ["nope"]) == 2
+    assert "unknown command 'nope'" in capsys.readouterr().err
+
+
+def test_error_line_of_os_errors():
+    assert error_line(PermissionError(13, "Permission denied", "/root/x")) == (
+        "/root/x: Permission denied"
+    )
+    assert error_line(ValueError("")) == "ValueError"
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["plan", "--mesh", "bogus=3"], "mesh spec bogus=3"),
+        (["plan", "--hardware", "bogus"], "unknown hardware 'bogus'"),
+        (["plan", "--model", "bogus"], "unknown zoo model 'bogus'"),
+        (["plan", "--config", "../tapas/gpt_tiny_cpu"], "no preset '../tapas/gpt_tiny_cpu'"),
+        (["plan", "--config", "/etc/shadow"], "no preset '/etc/shadow'"),
+        (["plan", "x=!!python/object:os.system"], "YAML tags are not allowed"),
+        (["verify", "--num-devices", "64"], "drop --num-devices"),
+    ],
+)
+def test_tapas_user_errors(argv, needle, capsys):
+    assert dispatch("tapas_jax", TAPAS_COMMANDS, argv) == 2
+    assert needle in _one_line_error(capsys, "python -m tapas_jax", argv[0])
+
+
+def test_config_file_contents_are_not_echoed(tmp_path, capsys):
+    f = tmp_path / "passwd.yaml"
+    f.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    assert dispatch("tapas_jax", TAPAS_COMMANDS, ["plan", "--config", str(f)]) == 2
+    msg = _one_line_error(capsys, "python -m tapas_jax", "plan")
+    assert "root" not in msg.replace(str(tmp_path), "") and "passwd.yaml" in msg
+
+
+def test_console_scripts_point_at_each_main():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {
+        "tapas": "tapas_jax.__main__:main",
+        "serve-jax": "serve_jax.__main__:main",
+        "paragan": "paragan_jax.__main__:main",
+    }
+    for target in scripts.values():
+        module, func = target.split(":")
+        assert callable(getattr(importlib.import_module(module), func))
+
+
+def test_python_m_bad_mesh_is_one_line_in_a_fresh_process():
+    r = subprocess.run(
+        [sys.executable, "-m", "tapas_jax", "plan", "--mesh", "bogus=3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("python -m tapas_jax plan: error: mesh spec bogus=3")
