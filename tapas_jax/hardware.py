@@ -14,8 +14,16 @@ Sources are kept next to each profile; the CPU profile is a rough calibration of
 from __future__ import annotations
 
 import dataclasses
+import re
 
-__all__ = ["HardwareProfile", "PROFILES", "get_profile", "profile_for_device"]
+__all__ = [
+    "HardwareProfile",
+    "PROFILES",
+    "TpuSlice",
+    "get_profile",
+    "profile_for_device",
+    "tpu_slice",
+]
 
 GiB = 1024**3
 
@@ -231,3 +239,45 @@ def profile_for_device(platform: str, device_kind: str = "") -> HardwareProfile:
     if key not in _PLATFORM_DEFAULTS:
         raise ValueError(f"no hardware profile for platform {platform!r}")
     return PROFILES[_PLATFORM_DEFAULTS[key]]
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+    """The chips, TensorCores and hosts of one Cloud TPU accelerator type."""
+
+    accelerator: str
+    """The type as given, e.g. ``v3-32``."""
+    chips: int
+    cores: int
+    """TensorCores."""
+    hosts: int
+    """TPU VM workers (hosts) of the slice."""
+    profile: str
+    """The `PROFILES` name of its chip."""
+
+
+_TPU_TYPE = re.compile(r"(v2|v3|v4|v5p|v5litepod|v5e|v6e)-(\d+)")
+
+
+def tpu_slice(accelerator: str) -> TpuSlice:
+    """Chips, TensorCores and hosts of a Cloud TPU accelerator type (``v3-32``, ``v6e-16``).
+
+    v2, v3, v4 and v5p types count TensorCores (two per chip); v5e (``v5litepod-N``) and v6e
+    count chips. Hosts hold 4 chips, except single-host v5e/v6e slices of up to 8 chips.
+    """
+    m = _TPU_TYPE.fullmatch(accelerator.strip().lower())
+    if not m:
+        raise ValueError(
+            f"unknown accelerator type {accelerator!r}; expected e.g. v3-8, v3-32, v4-16, "
+            "v5p-8, v5litepod-16, v6e-8"
+        )
+    gen, n = m.group(1), int(m.group(2))
+    if gen in ("v2", "v3", "v4", "v5p"):
+        if n % 2:
+            raise ValueError(f"{accelerator}: {gen} sizes count TensorCores, two per chip")
+        chips, cores = n // 2, n
+    else:
+        chips, cores = n, n
+    hosts = 1 if (gen in ("v5litepod", "v5e", "v6e") and chips <= 8) else max(1, -(-chips // 4))
+    profile = {"v5litepod": "tpu-v5e", "v5e": "tpu-v5e"}.get(gen, f"tpu-{gen}")
+    return TpuSlice(accelerator, chips, cores, hosts, profile)
