@@ -125,14 +125,6 @@ def resolve_policy(name: str, mode: str = "recompute") -> VictimPolicy:
     return get_policy(name)
 
 
-def _scheduler_class(policy: VictimPolicy) -> type[Scheduler]:
-    if hasattr(policy, "admission_limit") or hasattr(policy, "attach"):
-        from serve_jax.preemption import GatedScheduler
-
-        return GatedScheduler
-    return Scheduler
-
-
 @dataclasses.dataclass
 class _Tracked:
     request: Request
@@ -193,7 +185,7 @@ class Engine:
         kind = jax.default_backend()
         link = get_profile({"gpu": "h100", "tpu": "tpu-v5e"}.get(kind, "cpu")).host_link_bandwidth
         self.costs = MeasuredCostHints(link, cc.block_size * self.model_config.kv_bytes_per_token())
-        self.scheduler = _scheduler_class(self.policy)(
+        self.scheduler = Scheduler(
             cc.num_device_blocks,
             cc.num_host_blocks,
             block_size=cc.block_size,

@@ -25,33 +25,32 @@ device blocks than are free, the scheduler hands them a `SchedulerView` and appl
   request joins only when the predicted peak with it fits, so a victim is not re-admitted into
   the memory that was just freed for the others (the cascade of the baselines).
 
-Admission gating needs a hook the engine's scheduler does not have, so `GatedScheduler` adds it:
-a `Scheduler` whose queues, as seen by one ``schedule`` call, are cut to the prefix a policy's
-``admission_limit`` allows. With a policy that has no gate it is exactly `Scheduler`.
+The gate is `PredictivePolicy.admission_limit`, the scheduler's admission hook (see
+`serve_jax.scheduler`); the other policies keep the hook's default (no limit).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from serve_jax.predictor import PredictionLog, RemainingLengthPredictor
-from serve_jax.scheduler import (
+from serve_jax.interface import (
     FcfsLastPolicy,
     PreemptMode,
     Request,
     RequestStatus,
-    Scheduler,
     SchedulerView,
     VictimPolicy,
 )
+from serve_jax.predictor import PredictionLog, RemainingLengthPredictor
+
+if TYPE_CHECKING:
+    from serve_jax.scheduler import Scheduler
 
 __all__ = [
     "FcfsLastPolicy",
     "FewestOutputPolicy",
     "LeastComputedPolicy",
     "PredictivePolicy",
-    "GatedScheduler",
     "POLICY_NAMES",
     "get_policy",
     "predicted_peak_tokens",
@@ -277,7 +276,7 @@ class PredictivePolicy(VictimPolicy):
     # -- admission ---------------------------------------------------------------------------
 
     def attach(self, sched: Scheduler) -> None:
-        """Learns the device pool size (called by `GatedScheduler` at construction)."""
+        """Learns the device pool size (called by the `Scheduler` at construction)."""
         self._total_blocks = sched.blocks.device.num_blocks
         self._block_size = sched.block_size
 
@@ -286,7 +285,8 @@ class PredictivePolicy(VictimPolicy):
         if total is None:
             if view is None:
                 raise RuntimeError("PredictivePolicy: attach() it to a scheduler first")
-            # Not attached (a plain Scheduler): what the running set holds plus what is free.
+            # Not attached to a scheduler (a bare view): what the running set holds plus what
+            # is free.
             total = view.free_device_blocks + sum(view.device_blocks_held.values())
         bs = view.block_size if view is not None else self._block_size
         return total * bs * (1.0 - self.headroom)
@@ -340,87 +340,6 @@ class PredictivePolicy(VictimPolicy):
 def _chain(*queues):
     for q in queues:
         yield from q
-
-
-class GatedScheduler(Scheduler):
-    """`Scheduler` that lets the policy gate admission (``policy.admission_limit(self)``).
-
-    For one ``schedule`` call, the offloaded and waiting queues are cut to the prefix (in the
-    order [offloaded..., waiting...]) the policy allows; the rest is put back afterwards, behind
-    whatever the step requeued, so queue order is preserved. Victims of a gating policy are
-    held out of the rest of the step in which they were preempted (the gate was evaluated before
-    they were requeued; the next step's gate decides when they come back).
-
-    Args:
-      *args, **kwargs: as `Scheduler`.
-      no_admission_after_preemption: vLLM V1's rule (``if not preempted_reqs``): a step that
-        preempted admits no waiting request. Off by default (the engine's `Scheduler` admits).
-
-    With a policy that has no ``admission_limit`` and the rule off, this is `Scheduler`.
-    """
-
-    def __init__(self, *args: Any, no_admission_after_preemption: bool = False, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.no_admission_after_preemption = no_admission_after_preemption
-        self._held_waiting: list[Request] = []
-        self._held_offloaded: list[Request] = []
-        self.preempted_computed_tokens: dict[str, int] = {}
-        """Computed tokens of each request at its latest preemption (what a recompute wastes)."""
-        self._gating = hasattr(self.policy, "admission_limit")
-        attach = getattr(self.policy, "attach", None)
-        if attach is not None:
-            attach(self)
-
-    def _preempt(self, req, mode, now, out) -> None:
-        self.preempted_computed_tokens[req.request_id] = req.num_computed_tokens
-        super()._preempt(req, mode, now, out)
-        if self.no_admission_after_preemption:
-            # Everything waiting (the victim at its front) sits this step out.
-            self._held_waiting = list(self.waiting) + self._held_waiting
-            self.waiting.clear()
-        elif self._gating:
-            if self.waiting and self.waiting[0] is req:
-                self._held_waiting.insert(0, self.waiting.popleft())
-        if self._gating and self.offloaded and self.offloaded[-1] is req:
-            self._held_offloaded.append(self.offloaded.pop())
-
-    def schedule(self, now: float):
-        """`Scheduler.schedule` with the queues cut to what the policy admits."""
-        limit = self.policy.admission_limit(self) if self._gating else None
-        # The hidden tails stay in the original deques (no copy of a long queue per step); the
-        # visible heads are moved to fresh deques for the step and put back in front after it.
-        hidden_off: deque[Request] | None = None
-        hidden_wait: deque[Request] | None = None
-        if limit is not None:
-            limit = max(int(limit), 0)
-            n_off = len(self.offloaded)
-            if limit < n_off:
-                hidden_off, self.offloaded = self.offloaded, _pop_head(self.offloaded, limit)
-                hidden_wait, self.waiting = self.waiting, deque()
-            elif limit < n_off + len(self.waiting):
-                hidden_wait, self.waiting = self.waiting, _pop_head(self.waiting, limit - n_off)
-        self._held_waiting, self._held_offloaded = [], []
-        try:
-            out = super().schedule(now)
-        finally:
-            # (No copy of the waiting queue unless something was held or hidden: it can be long.)
-            if hidden_wait is not None:
-                hidden_wait.extendleft(reversed(self.waiting))
-                hidden_wait.extendleft(reversed(self._held_waiting))
-                self.waiting = hidden_wait
-            elif self._held_waiting:
-                self.waiting.extendleft(reversed(self._held_waiting))
-            if hidden_off is not None:
-                hidden_off.extendleft(reversed(self.offloaded))
-                self.offloaded = hidden_off
-            self.offloaded.extend(self._held_offloaded)
-            self._held_waiting, self._held_offloaded = [], []
-        return out
-
-
-def _pop_head(q: deque[Request], n: int) -> deque[Request]:
-    """Removes the first ``n`` items of ``q`` and returns them as a new deque."""
-    return deque(q.popleft() for _ in range(min(n, len(q))))
 
 
 def get_policy(name: str, **kwargs: Any) -> VictimPolicy:

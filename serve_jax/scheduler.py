@@ -29,26 +29,49 @@ One engine step (vLLM v1 style)::
 4. Waiting requests are admitted FCFS while there are sequence slots, token budget and free
    device blocks for their first chunk; admission never preempts.
 
+Admission control (steps 3-4) has two switches that any policy may use:
+
+* the policy's admission hook, ``policy.admission_limit(scheduler)``, asked once at the start of
+  each step: at most that many requests from the head of ``[offloaded..., waiting...]`` are
+  restored or admitted in the step (None, the default, means no limit). While a policy gates,
+  the step's own victims sit the rest of the step out: they are requeued (recompute: at the
+  front of the waiting queue; offload: at the back of the offloaded queue) when the step's plan
+  is complete, since the limit was decided before they were preempted;
+* ``no_admission_after_preemption``: vLLM V1's rule (``if not preempted_reqs``): a step that
+  preempted admits no waiting request.
+
 `update_from_output` advances ``num_computed_tokens``, appends sampled tokens, finishes requests
 at ``max_tokens`` or a stop token, releases blocks whose copies completed, and calls the policy
 hooks. The engine finishes requests for other reasons (stop strings, aborts) with
 `Scheduler.finish_request`.
 
 Every field a policy may read is on `Request` and `SchedulerView`; policies may keep their own
-per-request state in ``Request.predictor_state``.
+per-request state in ``Request.predictor_state``. The data types live in `serve_jax.interface`
+and are re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 from collections import deque
-from collections.abc import Sequence
-from typing import Any, Protocol
 
+from serve_jax.interface import (
+    CostHints,
+    Executor,
+    ExecutorOutput,
+    FcfsLastPolicy,
+    LinearCostHints,
+    PreemptMode,
+    Request,
+    RequestEvent,
+    RequestStatus,
+    ScheduledChunk,
+    SchedulerOutput,
+    SchedulerView,
+    VictimPolicy,
+)
 from serve_jax.kv_blocks import KVBlockManager
 
-__all__ = [
+__all__ = [  # the data types are re-exported from serve_jax.interface
     "RequestStatus",
     "PreemptMode",
     "Request",
@@ -66,270 +89,6 @@ __all__ = [
 ]
 
 
-class RequestStatus(enum.Enum):
-    """Where a request is in its life."""
-
-    WAITING = "waiting"
-    """Queued, never run (or nothing computed yet)."""
-    RUNNING = "running"
-    """Holds device blocks and gets tokens each step."""
-    PREEMPTED = "preempted"
-    """Preempted by recompute: back in the waiting queue, its KV to be recomputed."""
-    OFFLOADED = "offloaded"
-    """Preempted by offload: its pages are in host blocks, restored before it runs again."""
-    FINISHED_STOPPED = "finished_stopped"
-    """Ended on a stop token or stop string."""
-    FINISHED_LENGTH = "finished_length"
-    """Ended at max_tokens (or the context limit)."""
-    FINISHED_ABORTED = "finished_aborted"
-    """Aborted by the client or the engine."""
-
-    @property
-    def finished(self) -> bool:
-        return self.value.startswith("finished")
-
-
-class PreemptMode(enum.Enum):
-    """How a victim gives back its device blocks."""
-
-    RECOMPUTE = "recompute"
-    OFFLOAD = "offload"
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One generation request as the scheduler sees it (no text, no tensors)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    arrival_time: float
-    stop_token_ids: frozenset[int] = frozenset()
-    """Sampling one of these ends the request (FINISHED_STOPPED); the token is kept."""
-    sampling: Any = None
-    """Opaque sampling parameters, passed to the executor with each chunk."""
-    output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    num_computed_tokens: int = 0
-    """Tokens whose KV is in the cache (device, or host when offloaded)."""
-    status: RequestStatus = RequestStatus.WAITING
-    num_preemptions: int = 0
-    admission_seq: int = -1
-    """Increases with every admission to the running set (re-admissions get a new one)."""
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    token_times: list[float] = dataclasses.field(default_factory=list)
-    """When each output token was produced (``now`` of its update_from_output)."""
-    preemption_times: list[float] = dataclasses.field(default_factory=list)
-    resume_times: list[float] = dataclasses.field(default_factory=list)
-    finish_time: float | None = None
-    predictor_state: Any = None
-    """Free for policies and predictors."""
-
-    def __post_init__(self):
-        if not self.prompt_token_ids:
-            raise ValueError(f"request {self.request_id!r}: empty prompt")
-        if self.max_tokens < 1:
-            raise ValueError(f"request {self.request_id!r}: max_tokens must be >= 1")
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt plus output tokens so far."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def last_preempted_time(self) -> float | None:
-        return self.preemption_times[-1] if self.preemption_times else None
-
-    @property
-    def last_resumed_time(self) -> float | None:
-        return self.resume_times[-1] if self.resume_times else None
-
-
-class CostHints:
-    """Predicted costs a policy may weigh (the engine fits them; the simulator uses a roofline)."""
-
-    def prefill_seconds(self, num_tokens: int) -> float:
-        """Time to (re)compute the KV of ``num_tokens`` tokens."""
-        raise NotImplementedError
-
-    def transfer_seconds(self, num_blocks: int) -> float:
-        """Time to copy ``num_blocks`` blocks one way over the host link."""
-        raise NotImplementedError
-
-    def decode_seconds(self, batch_size: int, context_tokens: int) -> float:
-        """Time of one decode step of ``batch_size`` requests holding ``context_tokens`` in all."""
-        raise NotImplementedError
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearCostHints(CostHints):
-    """Affine costs: a fixed part plus a per-token (or per-block) part."""
-
-    prefill_base: float = 1e-3
-    prefill_per_token: float = 1e-5
-    transfer_base: float = 1e-4
-    transfer_per_block: float = 1e-5
-    decode_base: float = 1e-3
-    decode_per_seq: float = 1e-4
-    decode_per_context_token: float = 1e-7
-
-    def prefill_seconds(self, num_tokens: int) -> float:
-        return self.prefill_base + self.prefill_per_token * num_tokens
-
-    def transfer_seconds(self, num_blocks: int) -> float:
-        return self.transfer_base + self.transfer_per_block * num_blocks
-
-    def decode_seconds(self, batch_size: int, context_tokens: int) -> float:
-        return (
-            self.decode_base
-            + self.decode_per_seq * batch_size
-            + self.decode_per_context_token * context_tokens
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerView:
-    """What a victim policy sees when the running set needs more device blocks than are free."""
-
-    step: int
-    now: float
-    block_size: int
-    free_device_blocks: int
-    free_host_blocks: int
-    blocks_needed: int
-    """Shortfall: device blocks still missing for this step's running requests."""
-    running: tuple[Request, ...]
-    """Running requests in admission order (oldest first)."""
-    waiting: tuple[Request, ...]
-    offloaded: tuple[Request, ...]
-    costs: CostHints
-    device_blocks_held: dict[str, int] = dataclasses.field(default_factory=dict)
-    """Device blocks held by each running request (what preempting it gives back)."""
-
-
-class VictimPolicy:
-    """Chooses which running requests to preempt, and how. Subclass and set ``name``."""
-
-    name: str = "base"
-
-    def select_victims(self, view: SchedulerView) -> list[tuple[Request, PreemptMode]]:
-        """Returns victims (from ``view.running``) and a mode for each; [] to preempt nobody."""
-        raise NotImplementedError
-
-    def on_admitted(self, req: Request, now: float) -> None:
-        """A request joined the running set (first time or after a preemption)."""
-
-    def on_tokens(self, req: Request, now: float) -> None:
-        """A request got output tokens (after each update_from_output)."""
-
-    def on_finished(self, req: Request, now: float) -> None:
-        """A request finished or was aborted."""
-
-
-class FcfsLastPolicy(VictimPolicy):
-    """vLLM V1's default: preempt the most recently admitted running request, by recompute.
-
-    Args:
-      mode: the preemption mode for every victim (RECOMPUTE as vLLM; OFFLOAD to use the host tier).
-    """
-
-    name = "fcfs_last"
-
-    def __init__(self, mode: PreemptMode = PreemptMode.RECOMPUTE):
-        self.mode = PreemptMode(mode)
-
-    def select_victims(self, view: SchedulerView) -> list[tuple[Request, PreemptMode]]:
-        if not view.running:
-            return []
-        return [(view.running[-1], self.mode)]
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledChunk:
-    """Tokens of one request to run this step."""
-
-    request_id: str
-    start: int
-    """Position of the first token (== num_computed_tokens before the step)."""
-    num_tokens: int
-    token_ids: tuple[int, ...]
-    sample: bool
-    """Whether this chunk reaches the end of the known tokens, so a token is sampled after it."""
-    num_output_tokens: int
-    """Output tokens so far (the index of the token sampled after this chunk; seeds RNG)."""
-    sampling: Any = None
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    """One step's plan: plain data for an executor."""
-
-    step: int
-    prefills: list[ScheduledChunk] = dataclasses.field(default_factory=list)
-    decodes: list[ScheduledChunk] = dataclasses.field(default_factory=list)
-    preemptions: list[tuple[str, PreemptMode]] = dataclasses.field(default_factory=list)
-    offloads: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    """(device block, host block) pairs to copy device -> host, issued after this step's compute."""
-    restores: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    """(host block, device block) pairs to copy host -> device before this step's compute."""
-    block_tables: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    """Device blocks of each scheduled request (copies; safe to keep)."""
-    finished_request_ids: list[str] = dataclasses.field(default_factory=list)
-    """Requests that ended since the last step (executors drop their per-request state)."""
-
-    @property
-    def chunks(self) -> list[ScheduledChunk]:
-        return self.prefills + self.decodes
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.prefills) + sum(c.num_tokens for c in self.decodes)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.prefills or self.decodes or self.offloads or self.restores)
-
-
-@dataclasses.dataclass
-class ExecutorOutput:
-    """What an executor reports back for one `SchedulerOutput`."""
-
-    sampled: dict[str, int] = dataclasses.field(default_factory=dict)
-    """Token sampled for each chunk with ``sample=True``."""
-    completed_offloads: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    completed_restores: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    step_seconds: float | None = None
-    """Measured (or simulated) duration of the step, if known."""
-
-
-class Executor(Protocol):
-    """Runs a `SchedulerOutput`: the JAX executor and the simulated executor implement this."""
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ExecutorOutput: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestEvent:
-    """New tokens of one request after a step (and whether it finished)."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    finished: bool
-    status: RequestStatus
-
-
 class Scheduler:
     """Queues, admission, chunked prefill and preemption; see the module docstring.
 
@@ -342,6 +101,8 @@ class Scheduler:
       policy: victim policy (default `FcfsLastPolicy`).
       costs: cost hints handed to the policy (default `LinearCostHints`).
       max_model_len: longest prompt + output allowed; default all device blocks.
+      no_admission_after_preemption: vLLM V1's rule: a step that preempted admits no waiting
+        request (off by default).
     """
 
     def __init__(
@@ -354,6 +115,7 @@ class Scheduler:
         policy: VictimPolicy | None = None,
         costs: CostHints | None = None,
         max_model_len: int | None = None,
+        no_admission_after_preemption: bool = False,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -372,8 +134,16 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self.num_offload_preemptions = 0
+        self.no_admission_after_preemption = no_admission_after_preemption
+        self.preempted_computed_tokens: dict[str, int] = {}
+        """Computed tokens of each request at its latest preemption (what a recompute wastes)."""
         self._admissions = 0
         self._finished_since_step: list[str] = []
+        # Victims of the step being planned, requeued at its end (only while the policy gates).
+        self._hold_victims = False
+        self._held_waiting: list[Request] = []
+        self._held_offloaded: list[Request] = []
+        self.policy.attach(self)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -440,6 +210,7 @@ class Scheduler:
         )
 
     def _preempt(self, req: Request, mode: PreemptMode, now: float, out: SchedulerOutput) -> None:
+        self.preempted_computed_tokens[req.request_id] = req.num_computed_tokens
         self.running.remove(req)
         req.num_preemptions += 1
         req.preemption_times.append(now)
@@ -451,14 +222,20 @@ class Scheduler:
         ):
             out.offloads.extend(self.blocks.begin_offload(req.request_id))
             req.status = RequestStatus.OFFLOADED
-            self.offloaded.append(req)
+            if self._hold_victims:
+                self._held_offloaded.append(req)
+            else:
+                self.offloaded.append(req)
             self.num_offload_preemptions += 1
         else:
             mode = PreemptMode.RECOMPUTE
             self.blocks.free_device(req.request_id)
             req.num_computed_tokens = 0
             req.status = RequestStatus.PREEMPTED
-            self.waiting.appendleft(req)
+            if self._hold_victims:
+                self._held_waiting.append(req)
+            else:
+                self.waiting.appendleft(req)
         out.preemptions.append((req.request_id, mode))
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
@@ -474,18 +251,15 @@ class Scheduler:
             tokens = tuple(prompt[start:stop])
         else:
             tokens = tuple(prompt[start:]) + tuple(output[: stop - num_prompt])
-        # ScheduledChunk(...) without the frozen dataclass's per-field object.__setattr__ calls.
-        chunk = _object_new(ScheduledChunk)
-        chunk.__dict__.update(
-            request_id=req.request_id,
-            start=start,
-            num_tokens=n,
-            token_ids=tokens,
-            sample=stop == num_prompt + len(output),
-            num_output_tokens=len(output),
-            sampling=req.sampling,
+        return ScheduledChunk(
+            req.request_id,
+            start,
+            n,
+            tokens,
+            stop == num_prompt + len(output),
+            len(output),
+            req.sampling,
         )
-        return chunk
 
     def _admit(self, req: Request, now: float) -> None:
         req.status = RequestStatus.RUNNING
@@ -504,6 +278,10 @@ class Scheduler:
         out.finished_request_ids = self._finished_since_step
         self._finished_since_step = []
         budget = self.max_num_batched_tokens
+        # The admission hook: how many queued requests (offloaded first) this step may take.
+        limit = self.policy.admission_limit(self)
+        self._hold_victims = limit is not None
+        quota = len(self.requests) if limit is None else max(int(limit), 0)
 
         # 1-2. running requests, preempting while their new blocks do not fit.
         tables = self.blocks.device_tables
@@ -566,23 +344,23 @@ class Scheduler:
             num_prompt = len(req.prompt_token_ids)
             if n == 1 and output and start >= num_prompt:
                 # A decode: `_chunk` inlined (one per running request per step).
-                chunk = _object_new(ScheduledChunk)
-                chunk.__dict__.update(
-                    request_id=req.request_id,
-                    start=start,
-                    num_tokens=1,
-                    token_ids=(output[start - num_prompt],),
-                    sample=start + 1 == num_prompt + len(output),
-                    num_output_tokens=len(output),
-                    sampling=req.sampling,
+                decodes.append(
+                    ScheduledChunk(
+                        req.request_id,
+                        start,
+                        1,
+                        (output[start - num_prompt],),
+                        start + 1 == num_prompt + len(output),
+                        len(output),
+                        req.sampling,
+                    )
                 )
-                decodes.append(chunk)
             else:
                 (decodes if n == 1 and output else prefills).append(self._chunk(req, n))
             budget -= n
 
         # 3. restore offloaded requests (oldest preemption first), resuming them at once.
-        while self.offloaded and len(self.running) < self.max_num_seqs and budget > 0:
+        while quota > 0 and self.offloaded and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.offloaded[0]
             if self.blocks.offload_in_flight(req.request_id):
                 break  # its pages are still being copied out; restore once they land
@@ -598,10 +376,14 @@ class Scheduler:
             chunk = self._chunk(req, n)
             (out.decodes if req.num_output_tokens > 0 and n == 1 else out.prefills).append(chunk)
             budget -= n
+            quota -= 1
 
         # 4. admit waiting requests FCFS (never preempting for them).
+        if self.no_admission_after_preemption and out.preemptions:
+            quota = 0
         while (
-            self.waiting
+            quota > 0
+            and self.waiting
             and not self.offloaded
             and len(self.running) < self.max_num_seqs
             and budget > 0
@@ -616,6 +398,16 @@ class Scheduler:
             chunk = self._chunk(req, n)
             out.prefills.append(chunk)
             budget -= n
+            quota -= 1
+
+        # Victims held out of this step rejoin their queues (recompute ones in front).
+        if self._held_waiting:
+            self.waiting.extendleft(self._held_waiting)
+            self._held_waiting = []
+        if self._held_offloaded:
+            self.offloaded.extend(self._held_offloaded)
+            self._held_offloaded = []
+        self._hold_victims = False
 
         block_tables = out.block_tables
         for chunk in prefills:
@@ -670,14 +462,7 @@ class Scheduler:
                     on_tokens(req, now)
                 if status is not None:
                     self.finish_request(rid, status, now)
-                event = _object_new(RequestEvent)  # RequestEvent(...), without its setattrs
-                event.__dict__.update(
-                    request_id=rid,
-                    new_token_ids=(token,),
-                    finished=status is not None,
-                    status=req.status,
-                )
-                events.append(event)
+                events.append(RequestEvent(rid, (token,), status is not None, req.status))
         return events
 
     # ---- introspection -------------------------------------------------------------------
@@ -710,11 +495,3 @@ class Scheduler:
             "free_host_blocks": self.blocks.host.num_free,
             "preemptions": self.num_preemptions,
         }
-
-
-_object_new = object.__new__
-
-
-def requests_in_order(requests: Sequence[Request]) -> list[Request]:
-    """Requests sorted by admission sequence (oldest admission first)."""
-    return sorted(requests, key=lambda r: r.admission_seq)

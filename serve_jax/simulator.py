@@ -40,12 +40,13 @@ from typing import Any
 import numpy as np
 
 from serve_jax.costmodel import RooflineCostModel
-from serve_jax.preemption import GatedScheduler, get_policy
+from serve_jax.preemption import get_policy
 from serve_jax.scheduler import (
     ExecutorOutput,
     PreemptMode,
     Request,
     RequestStatus,
+    Scheduler,
     SchedulerOutput,
     VictimPolicy,
 )
@@ -396,7 +397,7 @@ def simulate(
     host_blocks = config.num_host_blocks
     if host_blocks is None:
         host_blocks = int(config.host_memory_gb * 1e9 // roofline.block_bytes)
-    sched = GatedScheduler(
+    sched = Scheduler(
         num_device_blocks=num_blocks,
         num_host_blocks=host_blocks,
         block_size=config.block_size,

@@ -8,7 +8,6 @@ from serve_jax.predictor import RemainingLengthPredictor
 from serve_jax.preemption import (
     FcfsLastPolicy,
     FewestOutputPolicy,
-    GatedScheduler,
     LeastComputedPolicy,
     PredictivePolicy,
     get_policy,
@@ -145,7 +144,7 @@ def _step(sched, now):
     return out
 
 
-def test_gated_scheduler_holds_back_what_would_not_last():
+def test_admission_hook_holds_back_what_would_not_last():
     # 20 blocks = 320 tokens; the predictor expects 200 output tokens per request, so two
     # requests of 32 tokens would peak at 64 + 2 * 200 = 464 tokens: only one is admitted.
     def make(cls, policy):
@@ -154,15 +153,15 @@ def test_gated_scheduler_holds_back_what_would_not_last():
             s.add_request(Request(f"r{i}", [1] * 32, max_tokens=250, arrival_time=0.0))
         return s
 
-    gated = make(GatedScheduler, trained_policy(200))
+    gated = make(Scheduler, trained_policy(200))
     out = _step(gated, 0.0)
     assert [c.request_id for c in out.prefills] == ["r0"]
     assert [r.request_id for r in gated.waiting] == ["r1"]
-    plain = make(Scheduler, trained_policy(200))
-    out = _step(plain, 0.0)
+    ungated = make(Scheduler, trained_policy(200, gate=False))
+    out = _step(ungated, 0.0)
     assert [c.request_id for c in out.prefills] == ["r0", "r1"]
-    # Without an admission gate GatedScheduler is Scheduler.
-    fcfs = make(GatedScheduler, FcfsLastPolicy())
+    # A policy without an admission limit (the hook's default) admits what fits.
+    fcfs = make(Scheduler, FcfsLastPolicy())
     assert [c.request_id for c in _step(fcfs, 0.0).prefills] == ["r0", "r1"]
     # r0 really runs 250 tokens, past every completed length (200): r1, admitted when r0 was
     # predicted to end, is preempted once (the longest predicted remaining) and then held back
@@ -181,7 +180,7 @@ def test_gated_scheduler_holds_back_what_would_not_last():
 
 def test_no_admission_after_preemption_rule():
     # vLLM V1: a step that preempted admits nobody, so the victim cannot come straight back.
-    s = GatedScheduler(num_device_blocks=4, block_size=BS, max_num_batched_tokens=64,
+    s = Scheduler(num_device_blocks=4, block_size=BS, max_num_batched_tokens=64,
                        no_admission_after_preemption=True)  # fmt: skip
     for i in range(2):
         s.add_request(Request(f"r{i}", [1] * 24, max_tokens=30, arrival_time=0.0))
@@ -211,7 +210,7 @@ def test_cost_aware_gate_admits_when_recompute_is_cheap():
     cheap = LinearCostHints(prefill_base=0.0, prefill_per_token=1e-6)
     dear = LinearCostHints(prefill_base=0.0, prefill_per_token=1e-3)
     for costs, admitted in ((cheap, ["r0", "r1"]), (dear, ["r0"])):
-        s = GatedScheduler(num_device_blocks=20, block_size=BS, max_num_batched_tokens=64,
+        s = Scheduler(num_device_blocks=20, block_size=BS, max_num_batched_tokens=64,
                            policy=trained_policy(200, cheap_preemption_steps=1.0),
                            costs=costs)  # fmt: skip
         for i in range(2):
