@@ -84,8 +84,12 @@ def bench_row(
     }
 
 
-def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+def _plot(rows: list[dict], path: Path) -> bool:
+    """Writes the search-time plot; False when matplotlib (an optional library) is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -119,6 +123,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def main(argv: list[str]) -> int:
@@ -191,8 +196,10 @@ def main(argv: list[str]) -> int:
     }
     out.write_text(json.dumps({"rows": rows, "config": meta}, indent=1))
     png = out.with_suffix(".png")
-    _plot(rows, png)
-    print(f"wrote {out} and {png}")
+    if _plot(rows, png):
+        print(f"wrote {out} and {png}")
+    else:
+        print(f"wrote {out} (no plot: matplotlib is not installed; pip install matplotlib)")
     return 0
 
 
