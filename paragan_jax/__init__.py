@@ -5,9 +5,10 @@ devices before jax is imported, and ``import paragan_jax`` stays cheap:
 
 - `TrainConfig`, `load_train_config` (`paragan_jax.config`);
 - `Trainer` (`paragan_jax.train`): ``Trainer(config, workdir).train()``;
-- `build_models` (`paragan_jax.models`), `make_train_state`, `make_sync_step`
-  (`paragan_jax.train`); the async scheme is `paragan_jax.async_scheme.AsyncRunner` (one
-  process) and `paragan_jax.distributed.run_two_process_async` (two processes).
+- `build_models` (`paragan_jax.models`), `make_train_state` (`paragan_jax.state`),
+  `make_sync_step` and `SyncRunner` (`paragan_jax.steps`), `run_steps` (`paragan_jax.loop`, the
+  one step loop); the async scheme is `paragan_jax.async_scheme.AsyncRunner` (one process) and
+  `paragan_jax.distributed.run_two_process_async` (two processes).
 """
 
 import importlib
@@ -17,8 +18,10 @@ _EXPORTS = {
     "load_train_config": ".config",
     "build_models": ".models",
     "Trainer": ".train",
-    "make_train_state": ".train",
-    "make_sync_step": ".train",
+    "SyncRunner": ".steps",
+    "make_train_state": ".state",
+    "make_sync_step": ".steps",
+    "run_steps": ".loop",
 }
 
 __all__ = sorted(_EXPORTS)

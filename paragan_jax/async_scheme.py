@@ -31,7 +31,7 @@ Training Framework for Generative Adversarial Networks"), as implemented here:
 
 RNG stream: the G step of iteration ``t`` uses ``fold_in(fold_in(key, t), n_disc)``, the fakes
 consumed by D in iteration ``t`` use ``fold_in(fold_in(key, t), i)`` for the i-th D step, as in
-`paragan_jax.train.make_sync_step`. Checkpoints hold both groups' state and the snapshot; the
+`paragan_jax.steps.make_sync_step`. Checkpoints hold both groups' state and the snapshot; the
 buffer is refilled from the restored G on resume, so async resume is exact only for depth 1.
 """
 
@@ -50,15 +50,8 @@ from tapas_jax.config import ConfigError
 from tapas_jax.mesh import axis_size, split_mesh
 
 from .config import TrainConfig
-from .train import (
-    GANFunctions,
-    _init_fn,
-    compile_step,
-    graphdefs,
-    make_optimizer,
-    param_shardings,
-    stack_batches,
-)
+from .state import graphdefs, init_train_state, make_optimizer, state_shardings
+from .steps import GANFunctions, compile_step, stack_batches
 
 __all__ = [
     "AsyncRunner",
@@ -155,27 +148,19 @@ def _side_setup(config: TrainConfig):
     tx_g = make_optimizer(a.g_optim or config.optim_g)
     tx_d = make_optimizer(a.d_optim or config.optim_d)
     g_def, d_def = graphdefs(config)
-    init = _init_fn(config, tx_g, tx_d)
+    init = init_train_state(config, tx_g, tx_d)
     return tx_g, tx_d, g_def, d_def, init, jax.eval_shape(init)
 
 
-def _shard_dict(config: TrainConfig, abstract, keys, mesh: Mesh) -> dict[str, Any]:
-    rep = NamedSharding(mesh, P())
-    out = {}
-    for k, v in _select(abstract, keys).items():
-        if k in ("step", "rng"):
-            out[k] = rep
-        elif k.endswith("stats"):
-            out[k] = param_shardings(v, mesh, "replicated")
-        else:
-            out[k] = param_shardings(v, mesh, config.sharding.params)
-    return out
+def _side_shardings(config, abstract, keys, mesh: Mesh, g_def, d_def) -> dict[str, Any]:
+    """The shardings of one side's part of the state: the sync state's placement on its mesh."""
+    return _select(state_shardings(config, mesh, abstract, g_def, d_def), keys)
 
 
 def build_g_side(config: TrainConfig, g_mesh: Mesh) -> tuple[dict[str, Any], GSide]:
     """The generator group's initial state (with the initial D as snapshot) and programs."""
     tx_g, tx_d, g_def, d_def, init, abstract = _side_setup(config)
-    g_sh = _shard_dict(config, abstract, _G_KEYS, g_mesh)
+    g_sh = _side_shardings(config, abstract, _G_KEYS, g_mesh, g_def, d_def)
     with jax.set_mesh(g_mesh):
         g_state = jax.jit(lambda: _select(init(), _G_KEYS), out_shardings=g_sh)()
     b, n_disc = config.data.batch_size, config.n_disc
@@ -233,7 +218,7 @@ def build_g_side(config: TrainConfig, g_mesh: Mesh) -> tuple[dict[str, Any], GSi
 def build_d_side(config: TrainConfig, d_mesh: Mesh) -> tuple[dict[str, Any], DSide]:
     """The discriminator group's initial state and program."""
     tx_g, tx_d, g_def, d_def, init, abstract = _side_setup(config)
-    d_sh = _shard_dict(config, abstract, _D_KEYS, d_mesh)
+    d_sh = _side_shardings(config, abstract, _D_KEYS, d_mesh, g_def, d_def)
     with jax.set_mesh(d_mesh):
         d_state = jax.jit(lambda: _select(init(), _D_KEYS), out_shardings=d_sh)()
     fns = GANFunctions(config, g_def, d_def, tx_g, tx_d, NamedSharding(d_mesh, P("data")))
@@ -275,7 +260,8 @@ def build_sides(config: TrainConfig, g_mesh: Mesh, d_mesh: Mesh):
 
 
 class AsyncRunner:
-    """The async scheme behind the `Trainer` loop (same interface as `SyncRunner`)."""
+    """The async scheme as a runner of `paragan_jax.loop.run_steps` (the interface of
+    `paragan_jax.steps.SyncRunner`): both groups on disjoint sub-meshes of one process."""
 
     scheme = "async"
 
@@ -339,6 +325,10 @@ class AsyncRunner:
         self.buffer.append(self._to_d((new_fakes, new_labels)))
         self._host_step = t + 1
         return {**d_metrics, **g_metrics}
+
+    def end_step(self, stop: bool) -> bool:
+        """One process holds both groups: the loop's decision stands."""
+        return stop
 
     def checkpoint_tree(self) -> dict[str, Any]:
         return {"g": self.g_state, "d": self.d_state}

@@ -1,11 +1,14 @@
 """Multi-process launcher and the two-process asynchronous scheme (one process per group).
 
-`launch` starts N local processes of ``python -m paragan_jax.distributed`` that join one JAX
-runtime with `jax.distributed.initialize` (coordinator on 127.0.0.1, gloo CPU collectives), the
-way hosts of a TPU pod do; `initialize` is the part each process runs (reusable by other tools).
+`launch` starts N local processes of an internal command (``python -m paragan_jax <command>
+--process-id i --num-processes N --port P ...``) that join one JAX runtime with `initialize`
+(`jax.distributed.initialize`, coordinator on 127.0.0.1, gloo CPU collectives), the way hosts of
+a TPU pod do. Two commands run this way: ``async-worker`` (here) and ``scaling-worker``
+(`paragan_jax.scaling_check`).
 
 The async worker runs `paragan_jax.async_scheme`'s schedule with process 0 as the generator group
-and process 1 as the discriminator group, each data parallel over its own local devices:
+and process 1 as the discriminator group, each data parallel over its own local devices, through
+the one step loop (`paragan_jax.loop.run_steps`, runner `ProcessPairRunner`):
 
 - fake batches go G -> D and D snapshots go D -> G through
   `jax.experimental.multihost_utils.process_allgather` (a gloo all-gather across the processes;
@@ -13,8 +16,8 @@ and process 1 as the discriminator group, each data parallel over its own local 
 - per iteration: [every k iterations: D sends its params, G installs them as its snapshot];
   both groups dispatch their step (G: update against the snapshot, then fakes of the new G; D:
   update on a real batch and the fakes received in the previous exchange); then the fakes (and a
-  stop flag decided by process 0's time budget) are exchanged. D's step runs while process 1
-  waits in that exchange for G's fakes, so the two steps overlap in wall-clock time;
+  stop flag decided by process 0's loop) are exchanged. D's step runs while process 1 waits in
+  that exchange for G's fakes, so the two steps overlap in wall-clock time;
 - ``k = 0`` runs D's step, sends the updated D, then G's step: the synchronous schedule.
 
 Process 0 writes ``result.json`` (steps, steps/s) and ``samples.npy`` (EMA generator) into the
@@ -33,7 +36,31 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["free_port", "initialize", "launch", "run_two_process_async"]
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from tapas_jax.mesh import make_mesh
+
+from .async_scheme import build_d_side, build_g_side
+from .config import TrainConfig, load_train_config
+from .data import PrefetchLoader, load_dataset
+from .loop import grouped, run_steps
+from .state import check_batch_divides
+from .steps import compile_step, sample_images, stack_batches
+
+__all__ = [
+    "ProcessPairRunner",
+    "async_worker",
+    "free_port",
+    "initialize",
+    "launch",
+    "main",
+    "run_two_process_async",
+]
+
+WORKER_COMMAND = "async-worker"
 
 
 def free_port() -> int:
@@ -45,8 +72,6 @@ def free_port() -> int:
 
 def initialize(process_id: int, num_processes: int, port: int) -> None:
     """Joins this process to a local multi-process JAX runtime with gloo CPU collectives."""
-    import jax
-
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}",
@@ -60,16 +85,18 @@ def launch(
     num_processes: int = 2,
     devices_per_process: int = 1,
     timeout_s: float = 600.0,
-    module: str = "paragan_jax.distributed",
+    command: str = WORKER_COMMAND,
 ) -> list[subprocess.CompletedProcess]:
-    """Runs ``python -m <module> --process-id i --num-processes N --port P <worker_args>``.
+    """Runs ``python -m paragan_jax <command> --process-id i --num-processes N --port P
+    <worker_args>`` for i in 0..N-1.
 
     Args:
       worker_args: arguments for every worker.
       num_processes: how many processes (one per device group).
       devices_per_process: simulated CPU devices per process.
       timeout_s: kill the workers after this long.
-      module: the worker module (its ``__main__`` must call `initialize`).
+      command: the internal command each process runs (its module's ``main`` must call
+        `initialize`).
 
     Returns:
       The finished processes (stdout/stderr captured), in process order.
@@ -89,7 +116,8 @@ def launch(
             [
                 sys.executable,
                 "-m",
-                module,
+                "paragan_jax",
+                command,
                 "--process-id",
                 str(i),
                 "--num-processes",
@@ -124,118 +152,136 @@ def launch(
     return results
 
 
-def _async_worker(args: argparse.Namespace, overrides: list[str]) -> int:
-    import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
+class ProcessPairRunner:
+    """One process of the two-process async scheme, as a runner of `paragan_jax.loop.run_steps`.
 
-    from tapas_jax.mesh import make_mesh
+    Process 0 is the generator group (its ``run_step`` reads no data), process 1 the
+    discriminator group. ``end_step`` is the exchange at the end of each iteration: G's fakes
+    and stop decision go to D and, when due, D's params to G's snapshot, so both processes leave
+    the loop at the same step (process 0's decision).
+    """
 
-    from .async_scheme import build_d_side, build_g_side
-    from .config import load_train_config
-    from .data import PrefetchLoader, load_dataset
-    from .train import check_batch_divides, compile_step, sample_images, stack_batches
+    scheme = "async"
 
-    cfg = load_train_config(args.config, overrides)
-    pid = jax.process_index()
-    is_g = pid == 0
-    mesh = make_mesh("data=-1", jax.local_devices())
-    check_batch_divides(cfg, mesh)
-    k, n_disc, b = cfg.async_.staleness, cfg.n_disc, cfg.data.batch_size
-    dataset = load_dataset(cfg)
-    img_shape = (n_disc, b) + dataset.images.shape[1:]
+    def __init__(self, config: TrainConfig, mesh: Mesh, image_shape: tuple[int, ...]):
+        check_batch_divides(config, mesh)
+        self.config = config
+        self.is_g = jax.process_index() == 0
+        self.k = config.async_.staleness
+        n_disc, b = config.n_disc, config.data.batch_size
+        self._zeros = (
+            np.zeros((n_disc, b, *image_shape), np.float32),
+            np.zeros((n_disc, b), np.int32),
+        )
+        self.t = 0  # iterations done
+        if self.is_g:
+            self.state, self.side = build_g_side(config, mesh)
+            self.side.step = compile_step(self.side.step, self.state, name="g_step")
+            fakes, labels = self.side.produce(self.state)
+        else:
+            self.state, self.side = build_d_side(config, mesh)
+            fakes, labels = self._zeros
+        self.fns = self.side.fns
+        self._payload = self._zeros
+        # Initial exchange: fakes of G_0 to D (the snapshot is the initial D on both sides).
+        self.fakes, self.labels, _ = self._exchange(fakes, labels, False, with_snapshot=False)
 
-    if is_g:
-        state, side = build_g_side(cfg, mesh)
-        side.step = compile_step(side.step, state, name="g_step")
-        fakes, labels = side.produce(state)
-    else:
-        state, side = build_d_side(cfg, mesh)
-        loader = PrefetchLoader(dataset, b, cfg.data.seed, 0, cfg.data.prefetch)
-        fakes = np.zeros(img_shape, np.float32)
-        labels = np.zeros((n_disc, b), np.int32)
+    @property
+    def step(self) -> int:
+        return self.t
 
-    def snapshot_part():
-        if is_g:
-            return (state["d_snap_params"], state["d_snap_stats"])
-        return (state["d_params"], state["d_stats"])
+    def _snapshot_part(self):
+        if self.is_g:
+            return (self.state["d_snap_params"], self.state["d_snap_stats"])
+        return (self.state["d_params"], self.state["d_stats"])
 
-    def install_snapshot(gathered):
-        if is_g:
+    def _install_snapshot(self, gathered) -> None:
+        if self.is_g:
+            sh = self.side.shardings
             params = jax.tree.map(lambda x: x[1], gathered[0])
             stats = jax.tree.map(lambda x: x[1], gathered[1])
-            state["d_snap_params"] = jax.device_put(params, side.shardings["d_snap_params"])
-            state["d_snap_stats"] = jax.device_put(stats, side.shardings["d_snap_stats"])
+            self.state["d_snap_params"] = jax.device_put(params, sh["d_snap_params"])
+            self.state["d_snap_stats"] = jax.device_put(stats, sh["d_snap_stats"])
 
-    def exchange(fakes, labels, flag, with_snapshot: bool):
+    def _exchange(self, fakes, labels, stop: bool, with_snapshot: bool):
         """One all-gather: G's fakes and stop flag to D and, when due, D's params to G."""
-        tree = (np.asarray(fakes), np.asarray(labels), np.asarray(flag, np.int32))
+        tree = (np.asarray(fakes), np.asarray(labels), np.asarray(stop, np.int32))
         if with_snapshot:
-            tree = (*tree, snapshot_part())
+            tree = (*tree, self._snapshot_part())
         got = multihost_utils.process_allgather(tree)
         if with_snapshot:
-            install_snapshot(got[3])
+            self._install_snapshot(got[3])
         return got[0][0], got[1][0], bool(got[2][0])
 
-    # Initial exchange: fakes of G_0 to D (the snapshot is the initial D on both sides).
-    fakes, labels, _ = exchange(fakes, labels, 0, False)
-    stop, t, t0 = False, 0, None
-    steps_timed = 0
-    zeros = (np.zeros(img_shape, np.float32), np.zeros((n_disc, b), np.int32))
-    while not stop:
-        if is_g:
-            if k == 0:  # synchronous order: wait for D's update of this iteration
-                install_snapshot(multihost_utils.process_allgather(snapshot_part()))
-            state, new_fakes, new_labels, _ = side.step(state)
-            elapsed = 0.0 if t0 is None else time.perf_counter() - t0
-            flag = t + 1 >= args.steps or (args.seconds is not None and elapsed >= args.seconds)
-            payload = (new_fakes, new_labels, flag)
-        else:
-            batch = jax.device_put(
-                stack_batches([next(loader) for _ in range(n_disc)]), side.batch_sharding
-            )
-            f = jax.device_put(np.asarray(fakes), side.batch_sharding)
-            lab = jax.device_put(np.asarray(labels), side.batch_sharding)
-            state, _ = side.step(state, batch, f, lab)
-            if k == 0:
-                multihost_utils.process_allgather(snapshot_part())
-            payload = (*zeros, False)
+    def run_step(self, batches: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
+        if self.is_g:
+            if self.k == 0:  # synchronous order: wait for D's update of this iteration
+                self._install_snapshot(multihost_utils.process_allgather(self._snapshot_part()))
+            self.state, fakes, labels, metrics = self.side.step(self.state)
+            self._payload = (fakes, labels)
+            return metrics
+        sh = self.side.batch_sharding
+        batch = jax.device_put(stack_batches(batches), sh)
+        fakes = jax.device_put(np.asarray(self.fakes), sh)
+        labels = jax.device_put(np.asarray(self.labels), sh)
+        self.state, metrics = self.side.step(self.state, batch, fakes, labels)
+        if self.k == 0:
+            multihost_utils.process_allgather(self._snapshot_part())
+        return metrics
+
+    def end_step(self, stop: bool) -> bool:
         # With k >= 1 the snapshot G uses in iteration t + 1 is D after iteration t's update
         # when (t + 1) % k == 0; it rides on this iteration's fakes exchange.
-        fakes, labels, stop = exchange(*payload, with_snapshot=k > 0 and (t + 1) % k == 0)
-        t += 1
-        if t0 is None:  # the first iteration compiled both programs
-            jax.block_until_ready(state)
-            t0 = time.perf_counter()
-        else:
-            steps_timed += 1
-    jax.block_until_ready(state)
-    wall = time.perf_counter() - t0
-    if not is_g:
-        loader.close()
-    if is_g:
+        snapshot = self.k > 0 and (self.t + 1) % self.k == 0
+        self.fakes, self.labels, stop = self._exchange(
+            *self._payload, stop and self.is_g, with_snapshot=snapshot
+        )
+        self.t += 1
+        return stop
+
+
+def async_worker(args: argparse.Namespace, overrides: list[str]) -> int:
+    """One process of the two-process async scheme: G (process 0) or D (process 1).
+
+    Process 0 writes ``result.json`` and ``samples.npy`` into ``args.out``.
+    """
+    cfg = load_train_config(args.config, overrides)
+    mesh = make_mesh("data=-1", jax.local_devices())
+    dataset = load_dataset(cfg)
+    runner = ProcessPairRunner(cfg, mesh, dataset.images.shape[1:])
+    loader = None
+    if not runner.is_g:
+        loader = PrefetchLoader(dataset, cfg.data.batch_size, cfg.data.seed, 0, cfg.data.prefetch)
+    try:
+        stats = run_steps(
+            runner,
+            grouped(loader, cfg.n_disc) if loader is not None else None,
+            args.steps,
+            seconds=args.seconds,
+        )
+    finally:
+        if loader is not None:
+            loader.close()
+    if runner.is_g:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         samples = sample_images(
-            side.fns,
-            state["ema_params"],
-            state["g_stats"],
+            runner.fns,
+            runner.state["ema_params"],
+            runner.state["g_stats"],
             jax.random.PRNGKey(1234),
             cfg.eval.num_samples,
         )
         np.save(out / "samples.npy", samples)
-        (out / "result.json").write_text(
-            json.dumps(
-                {
-                    "steps": t,
-                    "timed_steps": steps_timed,
-                    "wall_s": wall,
-                    "steps_per_sec": steps_timed / wall if wall > 0 else float("nan"),
-                    "staleness": k,
-                    "processes": jax.process_count(),
-                }
-            )
-        )
+        result = {
+            "steps": stats.steps,
+            "timed_steps": stats.timed_steps,
+            "wall_s": stats.wall_s,
+            "steps_per_sec": stats.steps_per_sec,
+            "staleness": runner.k,
+            "processes": jax.process_count(),
+        }
+        (out / "result.json").write_text(json.dumps(result))
     return 0
 
 
@@ -253,9 +299,7 @@ def run_two_process_async(
     Returns:
       ``result.json`` of process 0 plus ``samples`` (NumPy array of EMA-generator samples).
     """
-    import numpy as np
-
-    args = ["async-train", "--config", str(preset), "--out", out_dir, "--steps", str(steps)]
+    args = ["--config", str(preset), "--out", out_dir, "--steps", str(steps)]
     if seconds is not None:
         args += ["--seconds", str(seconds)]
     launch(args + list(overrides), 2, devices_per_process, timeout_s)
@@ -264,23 +308,19 @@ def run_two_process_async(
     return result
 
 
-def _main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m paragan_jax.distributed")
+def main(argv: list[str]) -> int:
+    """The internal command ``async-worker`` (started by `run_two_process_async`)."""
+    p = argparse.ArgumentParser(prog=f"python -m paragan_jax {WORKER_COMMAND}")
     p.add_argument("--process-id", type=int, required=True)
     p.add_argument("--num-processes", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("role", choices=["async-train"])
-    p.add_argument("--config", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--config", required=True, help="preset name or YAML path")
+    p.add_argument("--out", required=True, help="process 0 writes result.json and samples.npy")
     p.add_argument("--steps", type=int, default=10**9)
     p.add_argument("--seconds", type=float)
-    args, overrides = p.parse_known_args(argv)
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    args = p.parse_intermixed_args(argv[1:])
     if args.num_processes != 2:
-        print("async-train needs exactly 2 processes (G and D)", file=sys.stderr)
-        return 2
+        raise ValueError(f"{WORKER_COMMAND} needs exactly 2 processes (G and D)")
     initialize(args.process_id, args.num_processes, args.port)
-    return _async_worker(args, overrides)
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
+    return async_worker(args, args.overrides)

@@ -8,7 +8,8 @@ from conftest import RING
 from paragan_jax.async_scheme import AsyncRunner
 from paragan_jax.config import load_train_config
 from paragan_jax.data import batch_at, load_dataset
-from paragan_jax.train import SyncRunner, Trainer
+from paragan_jax.steps import SyncRunner
+from paragan_jax.train import Trainer
 from tapas_jax.config import ConfigError
 from tapas_jax.mesh import make_mesh
 
