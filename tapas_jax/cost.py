@@ -4,7 +4,8 @@
 both searches solve:
 
 - a *node* is an input (param or batch; strategies = every spec of its shape) or a leader
-  equation (strategies from `tapas_jax.rules`); followers are merged into the node they follow;
+  equation (strategies from `tapas_jax.leader_rules`); followers (`tapas_jax.follower_rules`)
+  are merged into the node they follow;
 - a node's unary cost per strategy: compute (FLOPs / peak, bytes / HBM bandwidth) plus the
   collectives inside its equations (partial-sum all-reduces), under the alpha-beta model of
   `tapas_jax.collectives`;
@@ -29,26 +30,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .batch_inference import batch_dims, batch_ok
 from .collectives import KINDS, bytes_moved, collective_seconds
 from .fold import Folding, local_hashes, no_folding
+from .follower_rules import constant_vars, follow, follow_operand, free_strategies
 from .graph import Graph
 from .hardware import HardwareProfile
-from .rules import (
-    MeshAxes,
-    Spec,
-    Strategy,
-    batch_dims,
-    batch_ok,
-    candidate_specs,
-    constant_vars,
-    follow,
-    follow_operand,
-    free_strategies,
-    has_rule,
-    leader_strategies,
-    replicated,
-    reshard,
-)
+from .leader_rules import has_rule, leader_strategies
+from .spec_algebra import MeshAxes, Spec, Strategy, candidate_specs, replicated, reshard
 
 __all__ = ["Problem", "Lowered", "build_problem"]
 

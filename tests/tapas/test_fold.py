@@ -5,8 +5,8 @@ import itertools
 import numpy as np
 
 from tapas_jax.fold import _longest_run, _row_ids
+from tapas_jax.follower_rules import constant_vars
 from tapas_jax.graph import Eqn, Graph
-from tapas_jax.rules import constant_vars
 
 
 def test_row_ids_number_equal_rows_alike_in_order_of_first_appearance():
