@@ -9,68 +9,72 @@
     python -m paragan_jax sample --workdir runs/d --out grid.png
     python -m paragan_jax bench --config ring8_cpu --seconds 20 --staleness 1,2,4 --json b.json
 
-Extra ``key=value`` arguments override config fields (``model.z_dim=64``). Bad input (unknown
-key, unreadable data, a batch that does not divide the data axis, ...) prints one clear error line
-and exits with status 2 before any training step.
+Every command follows the stack's convention (`tapas_jax.commands.command_parser`): ``--config``
+takes a preset of ``paragan_jax/presets`` or a ``.yaml`` path, positional ``key=value``
+arguments override `paragan_jax.config.TrainConfig` fields (all listed in ``--help``); eval and
+sample read the run's own ``<workdir>/config.yaml`` unless ``--config`` says otherwise. Bad input
+(unknown key, unreadable data, a batch that does not divide the data axis, a workdir that cannot
+be written, ...) raises `ConfigError` / `ValueError` / `OSError` before any training step, which
+the dispatcher prints as one line with exit status 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import sys
+import os
 from pathlib import Path
 
-__all__ = ["main"]
+from absl import logging as absl_logging
+
+from tapas_jax.commands import command_parser
+from tapas_jax.config import ConfigError
+
+from .bench import bench_command
+from .config import TrainConfig, load_train_config
+from .pipeline import PipelineConfig, trainer_batch_iterator_factory
+from .storage import CongestionEpisodes, EmulatedRemoteStorage
+from .train import Trainer
+
+__all__ = ["main", "patient_cpu_collectives"]
+
+PACKAGE = "paragan_jax"
 
 log = logging.getLogger("paragan_jax")
 
 
-def _setup_logging(verbose: bool) -> None:
+def setup_logging(verbose: bool) -> None:
+    """INFO from paragan_jax (compile sizes, resume), WARNING from everything else."""
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("paragan_jax").setLevel(logging.INFO)
-    try:
-        from absl import logging as absl_logging
-
-        absl_logging.set_verbosity(absl_logging.WARNING)
-    except ImportError:
-        pass
+    absl_logging.set_verbosity(absl_logging.WARNING)
 
 
-def _user_errors():
-    from tapas_jax.config import ConfigError
-    from tapas_jax.mesh import MeshSpecError
-
-    from .data import DataError
-
-    return (ConfigError, DataError, MeshSpecError, FileNotFoundError)
-
-
-def _load(args, overrides):
-    from .config import load_train_config
-
-    extra = list(overrides)
-    if getattr(args, "scheme", None):
-        extra.append(f"scheme={args.scheme}")
-    if getattr(args, "steps", None) is not None:
-        extra.append(f"steps={args.steps}")
-    return load_train_config(args.config, extra)
+def _parser(command: str, description: str, default_config: str | None = None):
+    p = command_parser(
+        PACKAGE, command, TrainConfig, description=description, example="model.z_dim=64"
+    )
+    if default_config is not None:
+        p.set_defaults(config=default_config)
+    return p
 
 
 def _train(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m paragan_jax train", description="Train a GAN from a preset."
+    p = _parser(
+        "train",
+        "Train a GAN (sync or async scheme); --config defaults to digits_cpu.",
+        "digits_cpu",
     )
-    p.add_argument("--config", default="digits_cpu", help="preset name or YAML path")
-    p.add_argument("--scheme", choices=["sync", "async"], help="override the preset's scheme")
-    p.add_argument("--steps", type=int, help="total generator steps")
+    p.add_argument("--scheme", choices=["sync", "async"], help="the same as scheme=...")
+    p.add_argument("--steps", type=int, help="total generator steps (the same as steps=...)")
     p.add_argument("--workdir", required=True, help="checkpoints, TensorBoard logs, samples")
-    p.add_argument("--time-budget", type=float, help="stop after this many seconds")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--seconds", type=float, help="stop after this many seconds (the compiling step excluded)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--adaptive-pipeline",
         action="store_true",
@@ -84,26 +88,26 @@ def _train(argv: list[str]) -> int:
         "(paragan_jax.storage.EmulatedRemoteStorage: seeded latencies, congestion episodes)",
     )
     p.add_argument("--remote-seed", type=int, default=0, help="seed of the emulated store")
-    p.add_argument("-v", "--verbose", action="store_true")
-    args, overrides = p.parse_known_args(argv)
-    _setup_logging(args.verbose)
-    from .train import Trainer
-
+    p.add_argument("-v", "--verbose", action="store_true", help="log compile sizes and resumes")
+    args = p.parse_intermixed_args(argv)
+    setup_logging(args.verbose)
     if args.emulate_remote and not args.adaptive_pipeline:
-        err = "--emulate-remote needs --adaptive-pipeline"
-        print(f"paragan_jax train: error: {err}", file=sys.stderr)
-        return 2
+        raise ConfigError("--emulate-remote needs --adaptive-pipeline")
+    overrides = list(args.overrides)
+    if args.scheme:
+        overrides.append(f"scheme={args.scheme}")
+    if args.steps is not None:
+        overrides.append(f"steps={args.steps}")
+    cfg = load_train_config(args.config, overrides)
     streams: list = []
-    try:
-        cfg = _load(args, overrides)
-        factory = _pipeline_factory(args, streams) if args.adaptive_pipeline else None
-        trainer = Trainer(
-            cfg, args.workdir, progress=not args.no_progress, batch_iterator_factory=factory
-        )
-        summary = trainer.train(time_budget_s=args.time_budget)
-    except _user_errors() as e:
-        print(f"paragan_jax train: error: {e}", file=sys.stderr)
-        return 2
+    factory = _pipeline_factory(args.emulate_remote, args.remote_seed, streams)
+    trainer = Trainer(
+        cfg,
+        args.workdir,
+        progress=not args.no_progress,
+        batch_iterator_factory=factory if args.adaptive_pipeline else None,
+    )
+    summary = trainer.train(time_budget_s=args.seconds)
     if summary["steps_run"] == 0:
         print(
             f"{cfg.name} is already at step {summary['step']} in {args.workdir}: nothing to "
@@ -128,20 +132,16 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
-def _pipeline_factory(args, streams: list):
+def _pipeline_factory(emulate_remote: bool, remote_seed: int, streams: list):
     """The Trainer's batch iterator factory for ``--adaptive-pipeline``; records each stream."""
-    from .pipeline import PipelineConfig, trainer_batch_iterator_factory
-
     wrap = None
-    if args.emulate_remote:
-        from .storage import CongestionEpisodes, EmulatedRemoteStorage
-
+    if emulate_remote:
         # Seeded clean/congested periods (means 10 s / 3 s, for the first hour) so the
         # controller has something to react to.
-        episodes = CongestionEpisodes.seeded(args.remote_seed, 3600.0, 10.0, 3.0)
+        episodes = CongestionEpisodes.seeded(remote_seed, 3600.0, 10.0, 3.0)
 
         def wrap(storage):
-            return EmulatedRemoteStorage(storage, seed=args.remote_seed, episodes=episodes)
+            return EmulatedRemoteStorage(storage, seed=remote_seed, episodes=episodes)
 
     inner = trainer_batch_iterator_factory(PipelineConfig(), wrap_storage=wrap)
 
@@ -153,35 +153,32 @@ def _pipeline_factory(args, streams: list):
     return factory
 
 
-def _trainer_from_workdir(workdir: str, overrides: list[str]):
-    from .config import load_train_config
-    from .train import Trainer
-
-    path = Path(workdir) / "config.yaml"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: is {workdir!r} a paragan_jax workdir?")
-    cfg = load_train_config(str(path), overrides)
-    trainer = Trainer(cfg, workdir, progress=False)
+def _restored_trainer(args) -> tuple[Trainer, int]:
+    """The workdir's run (its ``config.yaml`` unless ``--config``) at its latest checkpoint."""
+    config = args.config
+    if config is None:
+        path = Path(args.workdir) / "config.yaml"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: is {args.workdir!r} a paragan_jax workdir?")
+        config = str(path)
+    cfg = load_train_config(config, args.overrides)
+    trainer = Trainer(cfg, args.workdir, progress=False)
     step = trainer.restore()
     return trainer, step
 
 
 def _eval(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m paragan_jax eval", description="Offline metrics of the latest checkpoint."
+    p = _parser(
+        "eval",
+        "Offline metrics of the latest checkpoint (eval.num_samples=N sets the sample count); "
+        "--config defaults to the run's <workdir>/config.yaml.",
     )
-    p.add_argument("--workdir", required=True)
+    p.add_argument("--workdir", required=True, help="the run's workdir")
     p.add_argument("--json", help="write the metrics here")
-    p.add_argument("--num-samples", type=int)
-    args, overrides = p.parse_known_args(argv)
-    _setup_logging(False)
-    try:
-        trainer, _ = _trainer_from_workdir(args.workdir, overrides)
-        out = trainer.evaluate(args.num_samples)
-    except _user_errors() as e:
-        print(f"paragan_jax eval: error: {e}", file=sys.stderr)
-        return 2
-    text = json.dumps(out, indent=2)
+    args = p.parse_intermixed_args(argv)
+    setup_logging(False)
+    trainer, _ = _restored_trainer(args)
+    text = json.dumps(trainer.evaluate(), indent=2)
     print(text)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -190,48 +187,29 @@ def _eval(argv: list[str]) -> int:
 
 
 def _sample(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m paragan_jax sample",
-        description="Sample grid PNG from the latest checkpoint.",
+    p = _parser(
+        "sample",
+        "Sample grid PNG from the latest checkpoint; --config defaults to the run's "
+        "<workdir>/config.yaml.",
     )
-    p.add_argument("--workdir", required=True)
-    p.add_argument("--out", default="samples.png")
-    p.add_argument("--seed", type=int, default=1234)
-    args, overrides = p.parse_known_args(argv)
-    _setup_logging(False)
-    try:
-        trainer, step = _trainer_from_workdir(args.workdir, overrides)
-        path = trainer.sample_grid(args.out, seed=args.seed)
-    except _user_errors() as e:
-        print(f"paragan_jax sample: error: {e}", file=sys.stderr)
-        return 2
+    p.add_argument("--workdir", required=True, help="the run's workdir")
+    p.add_argument("--out", default="samples.png", help="PNG path")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the latents")
+    args = p.parse_intermixed_args(argv)
+    setup_logging(False)
+    trainer, step = _restored_trainer(args)
+    path = trainer.sample_grid(args.out, seed=args.seed)
     print(f"wrote {path} (step {step})")
     return 0
 
 
-def _bench_variant(cfg, seconds: float, workdir: Path, name: str) -> dict:
-    from .train import Trainer
-
-    trainer = Trainer(cfg, None, progress=False)
-    summary = trainer.train(time_budget_s=seconds)
-    grid = trainer.sample_grid(str(workdir / f"bench_{name}.png"))
-    metrics = trainer.evaluate()
-    return {
-        "variant": name,
-        "steps": summary["step"],
-        "wall_s": summary["wall_s"],
-        "steps_per_sec": summary["steps_per_sec"],
-        "sample_grid": grid,
-        **metrics,
-    }
-
-
 def _bench(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m paragan_jax bench",
-        description="Async against sync: steps/s and quality after equal wall-clock time.",
+    p = _parser(
+        "bench",
+        "Async against sync: steps/s and quality after equal wall-clock time; --config "
+        "defaults to ring8_cpu.",
+        "ring8_cpu",
     )
-    p.add_argument("--config", default="ring8_cpu")
     p.add_argument("--seconds", type=float, default=20.0, help="training time per variant")
     p.add_argument("--staleness", default="1,2,4", help="k values of the async variants")
     p.add_argument("--devices", type=int, default=8, help="simulated devices (in-process mode)")
@@ -240,103 +218,24 @@ def _bench(argv: list[str]) -> int:
         action="store_true",
         help="two-process mode: sync on 1 device vs async with G and D in 2 processes",
     )
-    p.add_argument("--workdir", default="runs/bench")
+    p.add_argument("--workdir", default="runs/bench", help="sample grids, bench.json, bench.png")
     p.add_argument("--json", default=None, help="default: <workdir>/bench.json")
-    args, overrides = p.parse_known_args(argv)
-    _setup_logging(False)
-    from .config import load_train_config
-
-    ks = [int(k) for k in args.staleness.split(",") if k.strip()]
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    base = list(overrides) + ["checkpoint.enabled=false", "steps=1000000000"]
-    rows = []
+    args = p.parse_intermixed_args(argv)
+    setup_logging(False)
     try:
-        if args.processes:
-            from .distributed import run_two_process_async
-            from .metrics import evaluate_samples, save_sample_png
-
-            cfg = load_train_config(args.config, base + ["scheme=sync", "sharding.num_devices=1"])
-            rows.append(_bench_variant(cfg, args.seconds, workdir, "sync_1proc"))
-            for k in ks:
-                over = base + [f"async_.staleness={k}"]
-                load_train_config(args.config, over)  # validate before launching workers
-                res = run_two_process_async(
-                    args.config, over, str(workdir / f"async_k{k}_2proc"), seconds=args.seconds
-                )
-                from .data import load_dataset
-
-                ds = load_dataset(cfg)
-                samples = res.pop("samples")
-                name = f"async_k{k}_2proc"
-                grid = save_sample_png(
-                    samples[: cfg.eval.grid_rows**2] if samples.ndim > 2 else samples,
-                    workdir / f"bench_{name}.png",
-                    rows=cfg.eval.grid_rows,
-                    real=ds.images[:2000] if ds.is_mixture else None,
-                )
-                rows.append(
-                    {
-                        "variant": name,
-                        "steps": res["steps"],
-                        "wall_s": res["wall_s"],
-                        "steps_per_sec": res["steps_per_sec"],
-                        "sample_grid": str(grid),
-                        **evaluate_samples(samples, ds),
-                    }
-                )
-        else:
-            common = base + [f"sharding.num_devices={args.devices}"]
-            cfg = load_train_config(args.config, common + ["scheme=sync"])
-            rows.append(_bench_variant(cfg, args.seconds, workdir, "sync"))
-            for k in ks:
-                cfg = load_train_config(
-                    args.config, common + ["scheme=async", f"async_.staleness={k}"]
-                )
-                rows.append(_bench_variant(cfg, args.seconds, workdir, f"async_k{k}"))
-    except _user_errors() as e:
-        print(f"paragan_jax bench: error: {e}", file=sys.stderr)
-        return 2
-    ref = rows[0]["steps_per_sec"]
-    for r in rows:
-        r["speed_ratio"] = r["steps_per_sec"] / ref if ref else float("nan")
-    cols = ["variant", "steps", "steps_per_sec", "speed_ratio", "fd", "kid", "classifier_score"]
-    if "modes_covered" in rows[0]:
-        cols += ["modes_covered", "high_quality_fraction"]
-    print(" | ".join(cols))
-    for r in rows:
-        print(" | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols))
-    out = {
-        "config": args.config,
-        "seconds": args.seconds,
-        "overrides": overrides,
-        "mode": "two_process" if args.processes else f"in_process_{args.devices}_devices",
-        "rows": rows,
-    }
-    path = Path(args.json) if args.json else workdir / "bench.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    _bench_plot(rows, workdir / "bench.png")
-    print(f"wrote {path} and {workdir / 'bench.png'}")
-    return 0
-
-
-def _bench_plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["variant"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    axes[0].bar(names, [r["speed_ratio"] for r in rows], color="tab:blue")
-    axes[0].set_ylabel("steps/s relative to sync")
-    axes[1].bar(names, [r["fd"] for r in rows], color="tab:orange")
-    axes[1].set_ylabel("Frechet distance (lower is better)")
-    for ax in axes:
-        ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        ks = [int(k) for k in args.staleness.split(",") if k.strip()]
+    except ValueError:
+        raise ConfigError(f"--staleness {args.staleness!r}: expected integers like 1,2,4") from None
+    return bench_command(
+        args.config,
+        list(args.overrides),
+        seconds=args.seconds,
+        staleness=ks,
+        devices=args.devices,
+        processes=args.processes,
+        workdir=args.workdir,
+        json_path=args.json,
+    )
 
 
 _COMMANDS = {"train": _train, "eval": _eval, "sample": _sample, "bench": _bench}
@@ -349,8 +248,6 @@ def patient_cpu_collectives() -> None:
     enough for XLA to abort the process ("Termination timeout for `all gather`"); waiting longer
     is correct. Only effective before the CPU backend starts, so it runs before jax is used.
     """
-    import os
-
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
         flags += (
@@ -364,6 +261,5 @@ def main(argv: list[str]) -> int:
     """Entry point: ``argv[0]`` is the command name (see `paragan_jax.__main__`)."""
     patient_cpu_collectives()
     if not argv or argv[0] not in _COMMANDS:
-        print(f"paragan_jax: expected one of {sorted(_COMMANDS)}", file=sys.stderr)
-        return 2
+        raise ValueError(f"expected one of {sorted(_COMMANDS)}, got {argv[:1]}")
     return _COMMANDS[argv[0]](argv[1:])

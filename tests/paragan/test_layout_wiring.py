@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from paragan_jax import cli
+from paragan_jax.__main__ import main as paragan_main
 from paragan_jax.config import ModelConfig, load_train_config
 from paragan_jax.models import build_models, stem_plan
 from tapas_jax.config import ConfigError
@@ -97,5 +98,5 @@ def test_train_rgb_tpu_layout_with_adaptive_pipeline_and_emulated_store(tmp_path
 
 
 def test_emulate_remote_needs_the_pipeline(tmp_path, capsys):
-    rc = cli.main(["train", "--workdir", str(tmp_path / "w"), "--emulate-remote"])
+    rc = paragan_main(["train", "--workdir", str(tmp_path / "w"), "--emulate-remote"])
     assert rc == 2 and "--adaptive-pipeline" in capsys.readouterr().err
