@@ -2,7 +2,7 @@
 
 import sys
 
-from tapas_jax.commands import dispatch
+from tapas_jax.commands import Command, dispatch
 
 COMMANDS = {
     "train": ("paragan_jax.cli", "train a GAN from a preset (sync or async scheme)"),
@@ -11,6 +11,7 @@ COMMANDS = {
     "bench": ("paragan_jax.cli", "async against sync: steps/s and quality at equal time"),
     "bench-pipeline": ("paragan_jax.scale_cli", "fixed vs adaptive input pipeline"),
     "scaling": ("paragan_jax.scale_cli", "predicted step time and scaling efficiency at scale"),
+    "async-worker": Command("paragan_jax.distributed", "an async-scheme process", internal=True),
 }
 
 
