@@ -9,9 +9,12 @@ COMMANDS = {
     "eval": ("paragan_jax.cli", "offline metrics of the latest checkpoint"),
     "sample": ("paragan_jax.cli", "write a sample grid PNG from the latest checkpoint"),
     "bench": ("paragan_jax.cli", "async against sync: steps/s and quality at equal time"),
-    "bench-pipeline": ("paragan_jax.scale_cli", "fixed vs adaptive input pipeline"),
+    "bench-pipeline": ("paragan_jax.pipeline_bench", "fixed vs adaptive input pipeline"),
     "scaling": ("paragan_jax.scale_cli", "predicted step time and scaling efficiency at scale"),
+    "layout": ("paragan_jax.layout_bench", "padding waste and CPU time of three stem layouts"),
     "async-worker": Command("paragan_jax.distributed", "an async-scheme process", internal=True),
+    "scaling-worker": Command("paragan_jax.scaling_check", "a CPU-check process", internal=True),
+    "train-multihost": Command("paragan_jax.scale_cli", "train on a TPU VM worker", internal=True),
 }
 
 

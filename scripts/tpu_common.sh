@@ -3,7 +3,7 @@
 #
 # Every remote action goes through `run`, which prints the command and, unless --dry-run is
 # given, executes it. Slice arithmetic (chips, hosts) is done in Python
-# (paragan_jax.scaling.tpu_slice), so the scripts and the scaling model agree.
+# (tapas_jax.hardware.tpu_slice), so the scripts and the scaling model agree.
 
 set -euo pipefail
 
@@ -59,7 +59,7 @@ tpu_parse_args() {
   if [[ -n $PROJECT ]]; then PROJECT_FLAG=(--project "$PROJECT"); fi
 }
 
-# "chips hosts" of an accelerator type, from paragan_jax.scaling.tpu_slice.
+# "chips hosts" of an accelerator type, from tapas_jax.hardware.tpu_slice.
 tpu_slice_info() {
   local py=${PY:-}
   if [[ -z $py ]]; then
@@ -67,12 +67,12 @@ tpu_slice_info() {
   fi
   PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$py" -c '
 import sys
-from paragan_jax.scaling import tpu_slice
+from tapas_jax.hardware import tpu_slice
 try:
     s = tpu_slice(sys.argv[1])
 except ValueError as e:
     sys.exit(f"error: {e}")
-print(s["chips"], s["hosts"])
+print(s.chips, s.hosts)
 ' "$1"
 }
 

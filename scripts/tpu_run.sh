@@ -12,7 +12,7 @@ if [[ ${#EXTRA[@]} -eq 0 ]]; then
 fi
 ARGS=$(printf ' %q' "${EXTRA[@]}")
 LOG="~/$REMOTE_DIR/train-\$(hostname).log"
-REMOTE="cd ~/$REMOTE_DIR && .venv/bin/python -m paragan_jax.scale_cli train-multihost$ARGS"
+REMOTE="cd ~/$REMOTE_DIR && .venv/bin/python -m paragan_jax train-multihost$ARGS"
 REMOTE+=" 2>&1 | tee $LOG"
 echo "# training on all $HOSTS worker(s) ($CHIPS chips) of $TPU_NAME"
 run gcloud compute tpus tpu-vm ssh "$TPU_NAME" "${PROJECT_FLAG[@]}" --zone "$ZONE" \

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from paragan_jax import layout as L
+from paragan_jax.layout_bench import main as layout_main
 
 
 def _rand(shape, seed):
@@ -116,7 +117,7 @@ def test_layout_benchmark_command(tmp_path):
     import json
 
     out = tmp_path / "layout.json"
-    assert L.bench(["--batch", "4", "--reps", "1", "--json", str(out)]) == 0
+    assert layout_main(["layout", "--batch", "4", "--reps", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 12
     for case in {r["case"] for r in rows}:

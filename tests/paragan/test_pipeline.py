@@ -236,7 +236,7 @@ def test_trainer_factory_serves_the_trainers_exact_batches_and_resumes():
 def test_bench_pipeline_command_writes_the_issue_keys(tmp_path):
     import json
 
-    from paragan_jax.scale_cli import main
+    from paragan_jax.pipeline_bench import main
 
     out = tmp_path / "pipeline.json"
     argv = [
@@ -262,3 +262,31 @@ def test_bench_pipeline_command_writes_the_issue_keys(tmp_path):
         assert data[key] > 0
     assert 0 < data["peak_buffer_bytes"] <= data["memory_cap_bytes"]
     assert "EMULATED" in data["storage"]
+
+
+def test_pipeline_settings_load_from_yaml_presets_and_overrides(tmp_path):
+    from paragan_jax.command_config import command_config_parser, load_command_config
+    from paragan_jax.pipeline_bench import BenchPipelineCommand
+    from tapas_jax.config import ConfigError, load_config
+
+    path = tmp_path / "pipe.yaml"
+    path.write_text("num_workers: 6\nwait_high: 0.05\nadaptive: false\n")
+    cfg = load_config(PipelineConfig, path, ["max_depth=8"])
+    assert (cfg.num_workers, cfg.wait_high, cfg.adaptive, cfg.max_depth) == (6, 0.05, False, 8)
+    with pytest.raises(ValueError, match="num_workers"):
+        load_config(PipelineConfig, path, ["max_workers=4"])  # 6 workers over the bound
+
+    parser = command_config_parser("bench-pipeline", BenchPipelineCommand, "test")
+    args = parser.parse_intermixed_args(
+        ["--config", "bench_pipeline_short", "pipeline.wait_high=0.1", "--step-ms", "20"]
+    )
+    bench = load_command_config(BenchPipelineCommand, args)
+    assert (bench.steps, bench.rounds, bench.step_ms) == (60, 1, 20.0)
+    assert bench.pipeline.memory_cap_bytes == 8 * 2**20 and bench.pipeline.wait_high == 0.1
+    assert "pipeline.wait_high (float = 0.03)" in parser.format_help()
+    with pytest.raises(ValueError, match="examples"):
+        load_command_config(BenchPipelineCommand, parser.parse_intermixed_args(["--examples", "8"]))
+    with pytest.raises(ConfigError, match="pipeline.bogus"):
+        load_command_config(
+            BenchPipelineCommand, parser.parse_intermixed_args(["pipeline.bogus=1"])
+        )

@@ -1,13 +1,17 @@
-"""Scaling model: its terms, the predicted trends, the command, and the measured CPU check."""
+"""Scaling model: its terms, the predicted trends, the command, and the measured CPU check.
+
+The collective pieces it uses (torus all-reduce, hops, alpha-beta fit) are tested with
+`tapas_jax.collectives` in tests/tapas/test_collectives.py."""
 
 import json
 import math
 
 import pytest
 
-from paragan_jax import scaling as S
+from paragan_jax import scaling as S, scaling_check as C
 from paragan_jax.scale_cli import main as scale_main
-from tapas_jax.collectives import collective_seconds
+from tapas_jax.collectives import compiled_collective_terms, torus_allreduce_seconds
+from tapas_jax.config import ConfigError
 
 
 def _costs(**kw):
@@ -30,27 +34,10 @@ def _costs(**kw):
     return S.StepCosts(**base)
 
 
-def test_torus_and_order_statistics():
-    assert S.torus_shape(1024) == (32, 32)
-    assert S.torus_shape(512) == (16, 32)
-    assert S.torus_shape(8) == (2, 4)
+def test_order_statistics():
     assert S.expected_max_normal(1) == 0.0
     assert S.expected_max_normal(2) == pytest.approx(1 / math.sqrt(math.pi), rel=0.05)
     assert S.expected_max_normal(1024) == pytest.approx(3.2, abs=0.1)
-
-
-def test_torus_allreduce_is_cheaper_than_one_ring_and_uses_the_collective_model():
-    v = 3e8
-    ring = collective_seconds("all-reduce", v, 1024, "tpu-v3")
-    torus = S.allreduce_seconds(v, 1024, "tpu-v3")
-    assert torus < ring
-    expect = (
-        collective_seconds("reduce-scatter", v, 32, "tpu-v3")
-        + collective_seconds("all-reduce", v / 32, 32, "tpu-v3")
-        + collective_seconds("all-gather", v, 32, "tpu-v3")
-    )
-    assert torus == pytest.approx(expect)
-    assert S.allreduce_seconds(v, 1, "tpu-v3") == 0.0
 
 
 def test_predictions_trend_and_respond_to_jitter():
@@ -70,7 +57,7 @@ def test_predictions_trend_and_respond_to_jitter():
     small = S.predict(c, 1024, "sync", "tpu-v3", S.ScalingParams(small_collectives=50))
     base = S.predict(c, 1024, "sync", "tpu-v3")
     assert small["step_seconds"] - base["step_seconds"] == pytest.approx(
-        50 * S.allreduce_seconds(4.0, 1024, "tpu-v3")
+        50 * torus_allreduce_seconds(4.0, 1024, "tpu-v3")
     )
     row = S.predict(c, 64, "async", "tpu-v3")
     assert row["g_chips"] + row["d_chips"] == 64
@@ -78,41 +65,6 @@ def test_predictions_trend_and_respond_to_jitter():
         S.predict(c, 8, "pipelined", "tpu-v3")
     with pytest.raises(ValueError, match="jitter"):
         S.ScalingParams(jitter=-1)
-
-
-def test_alpha_beta_fit_recovers_a_known_link():
-    alpha, w = 2e-4, 5e8
-    times = {v: 2 * alpha + v / w for v in (4096, 1 << 20, 4 << 20)}  # p = 2
-    fa, fw = S.fit_alpha_beta(times, 2)
-    assert fa == pytest.approx(alpha, rel=1e-6) and fw == pytest.approx(w, rel=1e-6)
-
-
-def test_hlo_collectives_are_priced_like_the_collective_model():
-    from tapas_jax.hardware import get_profile
-
-    hw = get_profile("tpu-v3")
-
-    def seconds(count, p):
-        hops, sent = S.hlo_collective_terms({"all-reduce": count}, {"all-reduce": 1e6}, 2, p)
-        return hops * hw.collective_latency + sent / hw.axis_bandwidth
-
-    # 1e6 bytes moved at p=2 is a 1e6-byte payload (2 (p-1)/p = 1).
-    assert seconds(1, 8) == pytest.approx(collective_seconds("all-reduce", 1e6, 8, hw))
-    assert seconds(10, 8) > seconds(1, 8)  # nine more latency terms
-    assert seconds(3, 1) == 0.0
-
-
-def test_collective_hops_follow_the_ring_algorithms():
-    counts = {"all-reduce": 2, "all-gather": 1, "all-to-all": 1, "collective-permute": 3}
-    moved = {"all-reduce": 2e6, "all-gather": 0.0, "all-to-all": 0.0, "collective-permute": 30.0}
-    hops, sent = S.hlo_collective_terms(counts, moved, 2, 4)
-    # all-reduce 2(p-1) each, gather and all-to-all p-1, a permute one hop to its neighbour.
-    assert hops == 2 * 6 + 3 + 3 + 3
-    # 2e6 bytes moved by two all-reduces at p=2 are 2e6 of payload; at p=4 each device sends 1.5x.
-    assert sent == pytest.approx(1.5 * 2e6 + 30.0)
-    assert S.hlo_collective_terms(counts, moved, 2, 1) == (0, 0.0)
-    with pytest.raises(ValueError, match="send-recv"):
-        S.hlo_collective_terms({"send-recv": 1}, {}, 2, 2)
 
 
 def test_cpu_check_calibrates_on_two_processes_and_predicts_the_rest(monkeypatch):
@@ -127,7 +79,7 @@ def test_cpu_check_calibrates_on_two_processes_and_predicts_the_rest(monkeypatch
     def law(n):
         if n == 1:
             return t1
-        hops, sent = S.hlo_collective_terms(counts[n], moved[n], n, n)
+        hops, sent = compiled_collective_terms(counts[n], moved[n], n, n)
         return t1 * max(1, n * util / cores) + hops * alpha + sent / bw
 
     def fake_run(processes, steps, rounds, batch):
@@ -140,8 +92,8 @@ def test_cpu_check_calibrates_on_two_processes_and_predicts_the_rest(monkeypatch
             "allreduce_s": {str(v): 2 * 1e-4 + v / bw for v in (4096, 1 << 20, 4 << 20)},
         }
 
-    monkeypatch.setattr(S, "_run_processes", fake_run)
-    check = S.check_cpu((1, 2, 4), cores=cores)
+    monkeypatch.setattr(C, "_run_processes", fake_run)
+    check = C.check_cpu((1, 2, 4), cores=cores)
     assert check["alpha_s"] == pytest.approx(alpha, rel=1e-6)
     assert check["alpha_lone_allreduce_s"] == pytest.approx(1e-4, rel=1e-3)
     roles = {r["processes"]: r["role"] for r in check["rows"]}
@@ -149,7 +101,7 @@ def test_cpu_check_calibrates_on_two_processes_and_predicts_the_rest(monkeypatch
     for r in check["rows"]:
         assert r["error"] == pytest.approx(0.0, abs=1e-9), r
     with pytest.raises(ValueError, match="calibration"):
-        S.check_cpu((1, 4))
+        C.check_cpu((1, 4))
 
 
 def test_step_costs_come_from_the_trainers_lowered_programs():
@@ -189,8 +141,31 @@ def test_scaling_command_writes_rows(tmp_path, capsys):
     assert data["paper"]["published_efficiency"] == 0.91
     assert (tmp_path / "scaling.png").stat().st_size > 0  # the efficiency plot beside the JSON
     assert "efficiency" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="chips"):
         scale_main(["scaling", "--chips", "8,x"])
+    with pytest.raises(ValueError, match="calibration"):
+        scale_main(["scaling", "--check-cpu", "1,4"])
+
+
+def test_scaling_settings_come_from_a_preset_flags_and_overrides(tmp_path):
+    from paragan_jax.command_config import command_config_parser, load_command_config
+    from paragan_jax.scale_cli import ScalingCommand
+
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("model: biggan256\nchips: [8, 16]\njitter: 0.05\n")
+    parser = command_config_parser("scaling", ScalingCommand, "test")
+    args = parser.parse_intermixed_args(
+        ["--config", str(preset), "--chips", "4,32", "overlap=0.25", "--count-collectives"]
+    )
+    cfg = load_command_config(ScalingCommand, args)
+    assert (cfg.model, cfg.chips, cfg.jitter) == ("biggan256", [4, 32], 0.05)  # flag over preset
+    assert cfg.overlap == 0.25 and cfg.count_collectives is True
+    args = parser.parse_intermixed_args(["--jitter", "0.1", "jitter=0.2"])
+    assert load_command_config(ScalingCommand, args).jitter == 0.2  # overrides come last
+    help_text = parser.format_help()
+    assert "per_chip_batch (int = 8)" in help_text and "--per-chip-batch" in help_text
+    with pytest.raises(ConfigError, match="not a field of ScalingCommand"):
+        load_command_config(ScalingCommand, parser.parse_intermixed_args(["bogus=1"]))
 
 
 @pytest.mark.slow
@@ -203,8 +178,21 @@ def test_model_reproduces_measured_cpu_processes_within_25_percent():
             f"load average {os.getloadavg()[0]:.1f} exceeds {cores} cores: other jobs would "
             "time-slice the processes at every collective, which the model does not describe"
         )
-    check = S.check_cpu((1, 2, 4), steps=5, rounds=4)
+    check = C.check_cpu((1, 2, 4), steps=5, rounds=4)
     predictions = [r for r in check["rows"] if r["role"] == "prediction"]
     assert predictions
     for row in predictions:
         assert abs(row["error"]) <= 0.25, row
+
+
+def test_scaling_preset_is_the_benchmarks_run():
+    from paragan_jax.command_config import command_config_parser, load_command_config
+    from paragan_jax.scale_cli import ScalingCommand
+
+    parser = command_config_parser("scaling", ScalingCommand, "test")
+    args = parser.parse_intermixed_args(["--config", "scaling_check_cpu"])
+    cfg = load_command_config(ScalingCommand, args)
+    assert (cfg.model, cfg.hardware, cfg.chips) == ("biggan128", "tpu-v3", [8, 64, 256, 1024])
+    assert cfg.check_cpu == [1, 2, 4]
+    with pytest.raises(ConfigError, match="not a field of ScalingCommand"):
+        load_command_config(ScalingCommand, parser.parse_intermixed_args(["--config", "tiny"]))

@@ -1,13 +1,10 @@
-"""Cloud TPU launch scripts: --dry-run prints every command; slice arithmetic; bad input."""
+"""Cloud TPU launch scripts: --dry-run prints every command; bad input (slice arithmetic:
+tapas_jax.hardware.tpu_slice, tested in tests/tapas/test_collectives.py)."""
 
 import shlex
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
-
-from paragan_jax.scaling import tpu_slice
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,29 +22,6 @@ def _dry(script, *args):
 
 def _commands(out):
     return [shlex.split(line[2:]) for line in out.splitlines() if line.startswith("+ ")]
-
-
-@pytest.mark.parametrize(
-    "acc,chips,cores,hosts,profile",
-    [
-        ("v3-8", 4, 8, 1, "tpu-v3"),
-        ("v3-32", 16, 32, 4, "tpu-v3"),
-        ("v3-1024", 512, 1024, 128, "tpu-v3"),
-        ("v5litepod-8", 8, 8, 1, "tpu-v5e"),
-        ("v5litepod-16", 16, 16, 4, "tpu-v5e"),
-        ("v6e-256", 256, 256, 64, "tpu-v6e"),
-    ],
-)
-def test_tpu_slice(acc, chips, cores, hosts, profile):
-    s = tpu_slice(acc)
-    assert (s["chips"], s["cores"], s["hosts"], s["profile"]) == (chips, cores, hosts, profile)
-
-
-def test_tpu_slice_rejects_unknown_types():
-    with pytest.raises(ValueError, match="unknown accelerator"):
-        tpu_slice("v9-8")
-    with pytest.raises(ValueError, match="two per chip"):
-        tpu_slice("v3-3")
 
 
 def test_create_dry_run_prints_gcloud_commands_and_runs_none():
@@ -101,7 +75,7 @@ def test_run_starts_training_on_all_workers_with_distributed_init():
     assert "--worker=all" in ssh
     remote = shlex.split(ssh[ssh.index("--command") + 1])
     i = remote.index("train-multihost")
-    assert remote[i - 1] == "paragan_jax.scale_cli"
+    assert remote[i - 2 : i] == ["-m", "paragan_jax"]  # the internal command of the registry
     assert remote[i + 1 : i + 5] == ["--config", "biggan128_tpu", "--workdir", "gs://bucket/run 1"]
 
 
