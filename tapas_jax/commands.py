@@ -11,7 +11,8 @@ never pays for the HTTP server's imports) and must define ``main(argv: list[str]
 - ``--version`` prints the installed distribution's version;
 - a user error (`ConfigError`, `ValueError` such as `MeshSpecError`, `FileNotFoundError`,
   `OSError`, or a subclass) becomes one line ``<prog> <command>: error: <message>`` on stderr and
-  exit status 2, without a traceback (``JAXSTACK_DEBUG=1`` re-raises it for developers);
+  exit status 2, without a traceback (``JAXSTACK_DEBUG=1`` re-raises it for developers); so does
+  a missing optional dependency (`OPTIONAL_MODULES`), naming the extra that installs it;
 - on a machine without accelerators, commands see ``JAXSTACK_CPU_DEVICES`` (default 8) simulated
   CPU devices, as the tests do, so ``--mesh data=2,model=4`` works on a laptop. The flag only
   affects the host platform; it must be set before jax is imported, which is why this module
@@ -41,6 +42,7 @@ from .config import preset_names
 
 __all__ = [
     "Command",
+    "OPTIONAL_MODULES",
     "USER_ERRORS",
     "command_parser",
     "dispatch",
@@ -57,6 +59,16 @@ DISTRIBUTION = "jax-parallel-stack"
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
 """Exceptions that are the user's to fix (ConfigError and MeshSpecError are ValueErrors,
 FileNotFoundError is an OSError): reported as one line and exit status 2."""
+
+_SERVE_MODULES = "safetensors tokenizers fastapi pydantic uvicorn httpx prometheus_client"
+_GAN_MODULES = "optax orbax tensorstore sklearn tqdm tensorboardX"
+OPTIONAL_MODULES = {
+    **dict.fromkeys(_SERVE_MODULES.split(), "serve"),
+    **dict.fromkeys(_GAN_MODULES.split(), "gan"),
+    **dict.fromkeys(("matplotlib", "PIL"), "serve,gan"),
+    "libtpu": "tpu",
+}
+"""Top-level modules of optional dependencies -> the extra of the distribution installing them."""
 
 _programs: dict[str, str] = {}
 """package -> how the user ran it (``tapas`` or ``python -m tapas_jax``), set by `dispatch`."""
@@ -156,6 +168,16 @@ def dispatch(
         if os.environ.get("JAXSTACK_DEBUG") == "1":
             raise
         print(f"{prog} {name}: error: {error_line(e)}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        extra = OPTIONAL_MODULES.get((e.name or "").split(".")[0])
+        if extra is None or os.environ.get("JAXSTACK_DEBUG") == "1":
+            raise
+        print(
+            f"{prog} {name}: error: this command needs {e.name}, an optional dependency; "
+            f"install it with: pip install '{DISTRIBUTION}[{extra}]'",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print(f"{prog} {name}: interrupted", file=sys.stderr)

@@ -54,6 +54,10 @@ def toy_commands(tmp_path, monkeypatch):
                     open("/nonexistent/dir/file.txt")
                 if argv[0] == "bug":
                     raise RuntimeError("an internal bug")
+                if argv[0] == "optional":
+                    import tensorboardX  # noqa: F401
+                if argv[0] == "typo":
+                    import tapas_jax.no_such_module  # noqa: F401
                 raise ValueError("first line\\n  second line")
             '''
         )
@@ -63,6 +67,8 @@ def toy_commands(tmp_path, monkeypatch):
         "run": ("toy_cmds", "a public command"),
         "missing": ("toy_cmds", "opens a file that does not exist"),
         "bug": ("toy_cmds", "raises an error that is not the user's"),
+        "optional": ("toy_cmds", "needs an optional dependency"),
+        "typo": ("toy_cmds", "imports a module that does not exist"),
         "worker": Command("toy_cmds", "a worker entry point", internal=True),
     }
 
@@ -103,6 +109,15 @@ def test_debug_env_reraises_and_bugs_keep_their_traceback(toy_commands, monkeypa
     monkeypatch.setenv("JAXSTACK_DEBUG", "1")
     with pytest.raises(ValueError, match="first line"):
         dispatch("toy", toy_commands, ["run"])
+
+
+def test_missing_optional_dependency_names_the_extra(toy_commands, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # as if the gan extra were missing
+    assert dispatch("toy", toy_commands, ["optional"]) == 2
+    msg = _one_line_error(capsys, "python -m toy", "optional")
+    assert "needs tensorboardX" in msg and "pip install 'jax-parallel-stack[gan]'" in msg
+    with pytest.raises(ModuleNotFoundError):  # not an optional dependency: a bug, traceback
+        dispatch("toy", toy_commands, ["typo"])
 
 
 def test_unknown_command(capsys):
