@@ -25,7 +25,7 @@ __all__ = ["bench_command"]
 
 def _trainer_variant(cfg: TrainConfig, seconds: float, workdir: Path, name: str) -> dict[str, Any]:
     trainer = Trainer(cfg, None, progress=False)
-    summary = trainer.train(time_budget_s=seconds)
+    summary = trainer.train(seconds=seconds)
     grid = trainer.sample_grid(str(workdir / f"bench_{name}.png"))
     return {
         "variant": name,

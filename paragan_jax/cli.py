@@ -107,7 +107,7 @@ def _train(argv: list[str]) -> int:
         progress=not args.no_progress,
         batch_iterator_factory=factory if args.adaptive_pipeline else None,
     )
-    summary = trainer.train(time_budget_s=args.seconds)
+    summary = trainer.train(seconds=args.seconds)
     if summary["steps_run"] == 0:
         print(
             f"{cfg.name} is already at step {summary['step']} in {args.workdir}: nothing to "

@@ -130,13 +130,13 @@ class Trainer:
             "config": config_to_dict(self.config),
         }
 
-    def train(self, steps: int | None = None, time_budget_s: float | None = None) -> dict[str, Any]:
+    def train(self, steps: int | None = None, seconds: float | None = None) -> dict[str, Any]:
         """Trains up to `steps` G steps in total (default ``config.steps``), resuming if a
         checkpoint exists in the workdir.
 
         Args:
           steps: total G steps to reach.
-          time_budget_s: stop early once this much wall-clock time has passed after the first
+          seconds: stop early once this much wall-clock time has passed after the first
             (compiling) step; used to compare schemes at equal time.
 
         Returns:
@@ -193,7 +193,7 @@ class Trainer:
                 runner,
                 grouped(loader, cfg.n_disc),
                 total - start,
-                seconds=time_budget_s,
+                seconds=seconds,
                 on_step=on_step,
             )
         finally:
