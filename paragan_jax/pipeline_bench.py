@@ -35,7 +35,8 @@ from matplotlib.figure import Figure
 from .command_config import command_config_parser, load_command_config
 from .layout import choose_layout, stem_conv
 from .loop import grouped, run_steps
-from .pipeline import InputPipeline, PipelineConfig
+from .pipeline import InputPipeline
+from .pipeline_control import PipelineConfig
 from .storage import (
     CongestionEpisodes,
     EmulatedRemoteStorage,

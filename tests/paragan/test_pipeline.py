@@ -5,13 +5,8 @@ import time
 import numpy as np
 import pytest
 
-from paragan_jax.pipeline import (
-    AimdController,
-    InputPipeline,
-    Observation,
-    PipelineConfig,
-    epoch_indices,
-)
+from paragan_jax.pipeline import InputPipeline, epoch_indices
+from paragan_jax.pipeline_control import AimdController, Observation, PipelineConfig
 from paragan_jax.storage import (
     CongestionEpisodes,
     EmulatedRemoteStorage,
