@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+from scipy.ndimage import zoom
 
 from .config import TrainConfig
 
@@ -73,8 +74,6 @@ class Dataset:
 
 
 def _resize(images: np.ndarray, size: int) -> np.ndarray:
-    from scipy.ndimage import zoom
-
     n, h, w, c = images.shape
     if (h, w) == (size, size):
         return images.astype(np.float32)
@@ -83,7 +82,7 @@ def _resize(images: np.ndarray, size: int) -> np.ndarray:
 
 
 def _digits(resolution: int) -> Dataset:
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # optional (the gan extra): only the digits need it
 
     d = load_digits()
     images = (d.images.astype(np.float32) / 16.0) * 2.0 - 1.0
@@ -112,7 +111,7 @@ def gaussian_mixture(name: str, n: int, std: float, seed: int) -> Dataset:
 
 
 def _read_image(path: Path) -> np.ndarray:
-    from PIL import Image
+    from PIL import Image  # optional (the gan extra): only image folders need it
 
     try:
         with Image.open(path) as im:
