@@ -1,130 +1,104 @@
 """Commands ``serve``, ``replay`` and ``bench`` (``python -m serve_jax <command> --help``).
 
 * ``serve``: the OpenAI-style HTTP server on 127.0.0.1 (``--config``, ``--port``).
-* ``replay``: the engine on a trace offline (no HTTP); prints the metrics table, writes JSON.
+* ``replay``: the engine on a workload offline (no HTTP); prints the metrics table, writes JSON.
 * ``bench``: with ``--url``, the load generator against a running server; with ``--micro
-  decode|offload``, the step-time benchmarks of BENCHMARKS.md.
-Trailing ``key=value`` arguments override the engine config (``cache.num_device_blocks=64``).
+  decode|offload|generate``, the step-time benchmarks of BENCHMARKS.md.
+
+``serve`` and ``replay`` run an engine config (`serve_jax.config.EngineConfig`): ``--config
+<preset or .yaml>`` plus trailing ``key=value`` overrides (``cache.num_device_blocks=64``,
+``scheduler.policy=predictive``; all listed by ``--help``). ``replay`` and ``bench`` pick their
+requests with the workload flags ``simulate`` has too (`serve_jax.cli_args`), and report the
+metrics of `serve_jax.metrics` (ms).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
+import os
+
+import httpx
+import jax
+
+from serve_jax import loadgen
+from serve_jax.cli_args import add_slo_args, add_workload_args, workload_config, write_json
+from serve_jax.config import EngineConfig, load_engine_config
+from serve_jax.engine import Engine
+from serve_jax.metrics import Slo, format_table, summarize
+from serve_jax.replay import replay_trace
+from serve_jax.server import run_server
+from serve_jax.workloads import WorkloadConfig, build_workload
+from tapas_jax.commands import command_parser
 
 __all__ = ["main"]
 
+_TRACE_DEFAULTS = WorkloadConfig(name="conv", num_requests=50)
 
-def _common_trace_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--trace",
-        default="conv",
-        help="CSV trace, or 'conv'/'code' for the shipped samples (default conv)",
+
+def _engine_parser(command: str, description: str):
+    return command_parser(
+        "serve_jax",
+        command,
+        EngineConfig,
+        description=description,
+        example="cache.num_device_blocks=64",
     )
-    p.add_argument("--num-requests", type=int, default=50, help="requests taken from the trace")
-    p.add_argument("--skip", type=int, default=0, help="trace rows skipped first")
-    p.add_argument(
-        "--rate",
-        type=float,
-        default=None,
-        help="arrival rate req/s (gamma process); default: the trace's timestamps",
-    )
-    p.add_argument(
-        "--burstiness", type=float, default=1.0, help="gamma shape of inter-arrivals (1 = Poisson)"
-    )
-    p.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        help="multiply trace timestamps by this (with no --rate)",
-    )
-    p.add_argument(
-        "--token-scale", type=float, default=1.0, help="multiply prompt and output lengths by this"
-    )
-    p.add_argument("--max-input-len", type=int, default=None, help="clip prompt lengths")
-    p.add_argument("--max-output-len", type=int, default=None, help="clip output lengths")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    p.add_argument("--json", default=None, help="write the summary here")
 
 
-def _load_trace(args, max_prompt=None, max_output=None):
-    import dataclasses
-
-    from serve_jax.traces import load_trace, sample_trace_path, scale_lengths, with_arrivals
-
-    path = sample_trace_path(args.trace) if args.trace in ("conv", "code") else args.trace
-    trace = load_trace(path, limit=args.num_requests, skip=args.skip)
-    if args.rate is None and args.time_scale != 1.0:
-        trace = [dataclasses.replace(r, arrival_s=r.arrival_s * args.time_scale) for r in trace]
-    trace = with_arrivals(trace, args.rate, args.burstiness, args.seed)
-    mp = (
-        min(x for x in (args.max_input_len, max_prompt) if x)
-        if (args.max_input_len or max_prompt)
-        else None
-    )
-    mo = (
-        min(x for x in (args.max_output_len, max_output) if x)
-        if (args.max_output_len or max_output)
-        else None
-    )
-    return str(path), scale_lengths(trace, args.token_scale, mp, mo)
+def _add_policy_flag(p) -> None:
+    p.add_argument("--policy", default=None, help="victim policy; same as scheduler.policy=...")
 
 
-def _write_json(path, payload) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=2))
-        print(f"wrote {path}")
-
-
-def _engine_config(args):
-    from serve_jax.config import load_engine_config
-
-    overrides = list(args.overrides)
-    if getattr(args, "policy", None):
-        overrides.append(f"scheduler.policy={args.policy}")
-    return load_engine_config(args.config, overrides)
+def _engine_config(args) -> EngineConfig:
+    """The engine config of ``--config`` (default cpu_demo), ``--policy`` and the overrides."""
+    overrides = [f"scheduler.policy={args.policy}"] if args.policy else []
+    return load_engine_config(args.config or "cpu_demo", overrides + list(args.overrides))
 
 
 def _replay(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m serve_jax replay", description=__doc__)
-    p.add_argument("--config", default="cpu_demo", help="preset name or YAML path")
-    p.add_argument("--policy", default=None, help="victim policy (default from the config)")
-    _common_trace_args(p)
-    p.add_argument("overrides", nargs="*", help="config overrides key=value")
+    p = _engine_parser("replay", "Run the engine offline on a workload; print its metrics.")
+    _add_policy_flag(p)
+    add_workload_args(p, _TRACE_DEFAULTS)
+    add_slo_args(p, 2000.0, 200.0)
+    p.add_argument("--json", default=None, help="write the summary here")
     args = p.parse_args(argv)
-    from serve_jax.engine import Engine
-    from serve_jax.loadgen import replay_trace
-    from serve_jax.metrics import Slo, format_table, summarize
-
     cfg = _engine_config(args)
     engine = Engine(cfg)
     # Leave room for the output within the context.
     max_prompt = engine.max_model_len // 2
-    path, trace = _load_trace(args, max_prompt, engine.max_model_len - max_prompt)
+    wcfg = workload_config(args)
+    workload = build_workload(
+        wcfg, max_prompt=max_prompt, max_output=engine.max_model_len - max_prompt
+    )
     print(
-        f"replaying {len(trace)} requests from {path} on {cfg.model.preset} "
+        f"replaying {len(workload.requests)} requests of {workload.name} on {cfg.model.preset} "
         f"(policy {engine.policy.name}, {cfg.cache.num_device_blocks} device pages)",
         flush=True,
     )
-    records, duration = replay_trace(engine, trace, seed=args.seed)
+    run = replay_trace(engine, workload.requests, seed=wcfg.seed)
+    records, duration = run.records, run.duration
     summary = summarize(records, duration, Slo(args.slo_ttft_ms, args.slo_tpot_ms))
     summary["engine"] = engine.stats()
     print(format_table(summary, "Offline replay result"))
-    _write_json(
-        args.json, {"command": "replay", "config": args.config, "trace": path, "summary": summary}
+    write_json(
+        args.json,
+        {
+            "command": "replay",
+            "config": args.config or "cpu_demo",
+            "workload": workload.name,
+            "summary": summary,
+        },
     )
     return 0
 
 
 def _bench(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m serve_jax bench", description=__doc__)
+    p = _engine_parser(
+        "bench",
+        "Load generator against a running server (--url), or a step-time benchmark (--micro); "
+        "--config and the overrides are the engine config of --micro generate.",
+    )
     p.add_argument("--url", default=None, help="server base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="model id (default: the server's first)")
+    p.add_argument("--model", default=None, help="served model id (default: the server's first)")
     p.add_argument(
         "--micro",
         choices=["decode", "offload", "generate"],
@@ -139,11 +113,6 @@ def _bench(argv: list[str]) -> int:
         help="--micro generate: token budget per step (default batch x context: all prompts "
         "prefill in the first step, as HF generate does)",
     )
-    p.add_argument(
-        "--engine-config",
-        default="cpu_demo",
-        help="engine preset or YAML for --micro generate",
-    )
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=256)
     p.add_argument(
@@ -153,20 +122,21 @@ def _bench(argv: list[str]) -> int:
     p.add_argument(
         "--hardware",
         default=None,
-        help="profile for the roofline (default: by backend, cpu/h200/tpu-v5e)",
+        help="chip profile of the roofline (default: the local backend's)",
     )
-    _common_trace_args(p)
+    add_workload_args(p, _TRACE_DEFAULTS)
+    add_slo_args(p, 2000.0, 200.0)
+    p.add_argument("--json", default=None, help="write the summary here")
     args = p.parse_args(argv)
     if args.micro:
-        from serve_jax import loadgen
-
         if args.micro == "generate":
             res = loadgen.generate_benchmark(
-                args.engine_config,
+                args.config or "cpu_demo",
                 args.batch,
                 args.context,
                 args.steps,
                 rounds=3,
+                overrides=tuple(args.overrides),
                 prefill_budget=args.prefill_budget,
             )
             print(f"{'round':<8}{'first token s':>15}{'decode s':>10}{'decode tok/s':>14}")
@@ -221,41 +191,45 @@ def _bench(argv: list[str]) -> int:
                 f"{res['offload_bytes_per_step'] / 2**20:.1f} MiB per step to "
                 f"{res['host_memory_kind']})"
             )
-        _write_json(args.json, {"command": f"bench --micro {args.micro}", "result": res})
+        write_json(args.json, {"command": f"bench --micro {args.micro}", "result": res})
         return 0
     if not args.url:
-        p.error("give --url URL (load generator) or --micro decode|offload")
-    import httpx
-
-    from serve_jax.loadgen import http_bench
-    from serve_jax.metrics import Slo, format_table, summarize
-
+        p.error("give --url URL (load generator) or --micro decode|offload|generate")
+    if args.config or args.overrides:
+        raise ValueError("--config and key=value overrides apply to --micro generate only")
     url = args.url.rstrip("/")
     try:
         models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
-    except Exception as e:
-        print(f"cannot reach {url}/v1/models: {e}", file=sys.stderr)
-        return 1
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        raise OSError(f"cannot list the models of {url}: {type(e).__name__}") from None
     model = args.model or models[0]["id"]
     max_len = models[0].get("max_model_len")
     max_prompt = max_len // 2 if max_len else None
-    path, trace = _load_trace(args, max_prompt, (max_len - max_prompt) if max_len else None)
-    print(f"sending {len(trace)} requests from {path} to {url} (model {model})", flush=True)
-    records, duration = http_bench(url, trace, model=model, seed=args.seed)
+    wcfg = workload_config(args)
+    workload = build_workload(
+        wcfg, max_prompt=max_prompt, max_output=(max_len - max_prompt) if max_len else None
+    )
+    print(
+        f"sending {len(workload.requests)} requests of {workload.name} to {url} (model {model})",
+        flush=True,
+    )
+    records, duration = loadgen.http_bench(url, workload.requests, model=model, seed=wcfg.seed)
     summary = summarize(records, duration, Slo(args.slo_ttft_ms, args.slo_tpot_ms))
-    try:
-        summary["server_preemptions"] = _scrape_preemptions(url)
-    except Exception:
-        pass
+    summary["server_preemptions"] = _scrape_preemptions(url)
     print(format_table(summary))
-    _write_json(args.json, {"command": "bench", "url": url, "trace": path, "summary": summary})
+    write_json(
+        args.json,
+        {"command": "bench", "url": url, "workload": workload.name, "summary": summary},
+    )
     return 0
 
 
 def _scrape_preemptions(url: str) -> float:
-    import httpx
-
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    """The server's preemption counter from ``/metrics`` (NaN when it cannot be read)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return float("nan")
     for line in text.splitlines():
         if line.startswith("serve_jax_preemptions_total "):
             return float(line.split()[1])
@@ -263,15 +237,11 @@ def _scrape_preemptions(url: str) -> float:
 
 
 def _serve(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m serve_jax serve", description=__doc__)
-    p.add_argument("--config", default="cpu_demo", help="preset name or YAML path")
-    p.add_argument("--host", default=None, help="bind address (default from config: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--policy", default=None)
-    p.add_argument("overrides", nargs="*", help="config overrides key=value")
+    p = _engine_parser("serve", "Start the OpenAI-style HTTP server (127.0.0.1 by default).")
+    p.add_argument("--host", default=None, help="bind address; same as server.host=...")
+    p.add_argument("--port", type=int, default=None, help="TCP port; same as server.port=...")
+    _add_policy_flag(p)
     args = p.parse_args(argv)
-    from serve_jax.server import run_server
-
     cfg = _engine_config(args)
     run_server(cfg, host=args.host, port=args.port)
     return 0
@@ -279,26 +249,19 @@ def _serve(argv: list[str]) -> int:
 
 def _enable_compilation_cache() -> None:
     """Persists XLA compilations (``SERVE_JAX_CACHE_DIR``, default ~/.cache/serve_jax/xla)."""
-    import os
-
-    import jax
-
     path = os.environ.get("SERVE_JAX_CACHE_DIR", os.path.expanduser("~/.cache/serve_jax/xla"))
     if path and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", path)
 
 
 def main(argv: list[str]) -> int:
-    """Entry point; ``argv[0]`` is the command name (serve, replay or bench)."""
-    from tapas_jax.config import ConfigError
+    """Entry point; ``argv[0]`` is the command name (serve, replay or bench).
 
+    User errors (a bad config, workload or file) are raised for `tapas_jax.commands.dispatch`,
+    which prints them as one line (exit status 2).
+    """
     commands = {"serve": _serve, "replay": _replay, "bench": _bench}
     if not argv or argv[0] not in commands:
-        print(f"serve_jax.cli: expected one of {sorted(commands)}", file=sys.stderr)
-        return 2
+        raise ValueError(f"serve_jax.cli: expected one of {sorted(commands)}")
     _enable_compilation_cache()
-    try:
-        return commands[argv[0]](argv[1:])
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return commands[argv[0]](argv[1:])

@@ -18,12 +18,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from serve_jax.metrics import RequestRecord, record_from
-from serve_jax.traces import TraceRequest
+from serve_jax.workloads import RequestSpec
 
 __all__ = [
     "synthetic_prompt",
@@ -42,7 +42,7 @@ def synthetic_prompt(n: int, seed: int, low: int = 3, high: int = 259) -> list[i
 
 
 def replay_trace(
-    engine, trace: list[TraceRequest], seed: int = 0, progress: Callable | None = None
+    engine, trace: Sequence[RequestSpec], seed: int = 0, progress: Callable | None = None
 ) -> tuple[list[RequestRecord], float]:
     """Runs ``trace`` through ``engine`` in real time; returns records and the run's duration.
 
@@ -53,24 +53,24 @@ def replay_trace(
 
     clock = engine.clock
     t0 = clock()
-    pending = sorted(enumerate(trace), key=lambda x: x[1].arrival_s)
+    pending = sorted(enumerate(trace), key=lambda x: x[1].arrival_time)
     records: dict[str, RequestRecord] = {}
     next_i = 0
     while next_i < len(pending) or engine.has_work():
         now = clock()
-        while next_i < len(pending) and t0 + pending[next_i][1].arrival_s <= now:
+        while next_i < len(pending) and t0 + pending[next_i][1].arrival_time <= now:
             idx, r = pending[next_i]
-            params = SamplingParams(max_tokens=r.output_tokens, ignore_eos=True, seed=idx)
+            params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, seed=idx)
             engine.add_request(
-                synthetic_prompt(r.prompt_tokens, seed + idx),
+                synthetic_prompt(r.prompt_len, seed + idx),
                 params,
                 request_id=f"trace-{idx}",
-                arrival_time=t0 + r.arrival_s,
+                arrival_time=t0 + r.arrival_time,
             )
             next_i += 1
         if not engine.has_work():
             if next_i < len(pending):
-                time.sleep(max(0.0, t0 + pending[next_i][1].arrival_s - clock()))
+                time.sleep(max(0.0, t0 + pending[next_i][1].arrival_time - clock()))
             continue
         for out in engine.step():
             if out.finished:
@@ -134,13 +134,13 @@ async def _http_bench(url, trace, model, seed, timeout_s):
         t0 = time.perf_counter()
         tasks = []
         for idx, r in enumerate(trace):
-            delay = t0 + r.arrival_s - time.perf_counter()
+            delay = t0 + r.arrival_time - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            prompt = synthetic_prompt(r.prompt_tokens, seed + idx)
+            prompt = synthetic_prompt(r.prompt_len, seed + idx)
             tasks.append(
                 asyncio.create_task(
-                    _one_http_request(client, url, model, prompt, r.output_tokens, t0 + r.arrival_s)
+                    _one_http_request(client, url, model, prompt, r.output_len, t0 + r.arrival_time)
                 )
             )
         records = await asyncio.gather(*tasks)
@@ -149,7 +149,7 @@ async def _http_bench(url, trace, model, seed, timeout_s):
 
 def http_bench(
     url: str,
-    trace: list[TraceRequest],
+    trace: Sequence[RequestSpec],
     model: str = "serve-jax",
     seed: int = 0,
     timeout_s: float = 600.0,

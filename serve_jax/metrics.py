@@ -9,7 +9,7 @@ and the simulator (simulated timestamps): anything with the `RequestRecord` fiel
 * E2EL: last token (or finish) time - arrival.
 * Throughput: completed requests, output tokens and all tokens per second of the run.
 * Goodput: completed requests per second that met both SLOs (TTFT and TPOT).
-Mean, median and p99 are reported in milliseconds.
+Mean, median and p99 are reported in milliseconds, by every command (replay, bench, simulate).
 """
 
 from __future__ import annotations
@@ -19,7 +19,14 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["RequestRecord", "Slo", "record_from", "summarize", "format_table"]
+__all__ = [
+    "RequestRecord",
+    "Slo",
+    "record_from",
+    "request_latencies",
+    "summarize",
+    "format_table",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +67,38 @@ def record_from(obj, success: bool = True) -> RequestRecord:
     )
 
 
-def _stats(values: Sequence[float]) -> dict[str, float]:
-    if not values:
+def _stats(values: np.ndarray) -> dict[str, float]:
+    if len(values) == 0:
         return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
     arr = np.asarray(values, dtype=np.float64)
     return {
         "mean": float(arr.mean()),
         "median": float(np.median(arr)),
         "p99": float(np.percentile(arr, 99)),
+    }
+
+
+def _done(records: Sequence[RequestRecord]) -> list[RequestRecord]:
+    return [r for r in records if r.success and r.first_token_time is not None]
+
+
+def request_latencies(records: Iterable[RequestRecord]) -> dict[str, np.ndarray]:
+    """Per-request latencies in ms of the successful requests: ``ttft``, ``e2el``, ``tpot``
+    (requests with more than one token) and ``itl`` (every gap between two tokens)."""
+    ttft, tpot, e2el, itl = [], [], [], []
+    for r in _done(list(records)):
+        last = r.token_times[-1] if r.token_times else r.first_token_time
+        ttft.append((r.first_token_time - r.arrival_time) * 1e3)
+        e2el.append((max(last, r.finish_time or last) - r.arrival_time) * 1e3)
+        if r.num_output_tokens > 1 and len(r.token_times) > 1:
+            tpot.append((last - r.first_token_time) / (r.num_output_tokens - 1) * 1e3)
+        if len(r.token_times) > 1:
+            itl.append(np.diff(np.asarray(r.token_times, dtype=np.float64)))
+    return {
+        "ttft": np.asarray(ttft, dtype=np.float64),
+        "tpot": np.asarray(tpot, dtype=np.float64),
+        "e2el": np.asarray(e2el, dtype=np.float64),
+        "itl": np.concatenate(itl) * 1e3 if itl else np.zeros(0),
     }
 
 
@@ -80,25 +111,25 @@ def summarize(
       records: one per request sent (failed ones with ``success=False``).
       duration: wall time of the run in seconds; default first arrival to last finish.
       slo: objectives for goodput (default `Slo()`).
+
+    Returns:
+      Counts, throughputs, ``goodput`` (requests/s meeting both SLOs; ``slo_met`` of them),
+      ``preemptions``, and mean/median/p99 of ``ttft_ms``, ``tpot_ms``, ``itl_ms``, ``e2el_ms``.
     """
     slo = slo or Slo()
     records = list(records)
-    done = [r for r in records if r.success and r.first_token_time is not None]
-    ttft, tpot, itl, e2el = [], [], [], []
+    done = _done(records)
+    lat = request_latencies(done)
     good = 0
     for r in done:
         t_first = (r.first_token_time - r.arrival_time) * 1e3
-        ttft.append(t_first)
-        last = r.token_times[-1] if r.token_times else r.first_token_time
-        end = max(last, r.finish_time or last)
-        e2el.append((end - r.arrival_time) * 1e3)
-        per_tok = None
+        if t_first > slo.ttft_ms:
+            continue
         if r.num_output_tokens > 1 and len(r.token_times) > 1:
-            per_tok = (last - r.first_token_time) / (r.num_output_tokens - 1) * 1e3
-            tpot.append(per_tok)
-        itl.extend(float(x) * 1e3 for x in np.diff(r.token_times))
-        if t_first <= slo.ttft_ms and (per_tok is None or per_tok <= slo.tpot_ms):
-            good += 1
+            per_tok = (r.token_times[-1] - r.first_token_time) / (r.num_output_tokens - 1) * 1e3
+            if per_tok > slo.tpot_ms:
+                continue
+        good += 1
     if duration is None:
         if done:
             start = min(r.arrival_time for r in records)
@@ -119,12 +150,13 @@ def summarize(
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "goodput": good / duration,
+        "slo_met": good,
         "slo": dataclasses.asdict(slo),
         "preemptions": sum(r.num_preemptions for r in records),
-        "ttft_ms": _stats(ttft),
-        "tpot_ms": _stats(tpot),
-        "itl_ms": _stats(itl),
-        "e2el_ms": _stats(e2el),
+        "ttft_ms": _stats(lat["ttft"]),
+        "tpot_ms": _stats(lat["tpot"]),
+        "itl_ms": _stats(lat["itl"]),
+        "e2el_ms": _stats(lat["e2el"]),
     }
 
 

@@ -6,65 +6,86 @@ Example::
         --policies fcfs_last,fewest_output,least_computed,predictive \\
         --model llama-7b --hardware h100 --kv-memory-gb 8 --json out.json
 
-prints one row per policy (and the ratios of ``predictive`` to ``fcfs_last``), writes the rows as
-a JSON list (keys ``policy``, ``preemptions``, ``cascades``, ``p99_tpot_s``, ``p99_ttft_s``,
-``throughput_tok_s``, ``completed``, ``submitted`` first, then the other metrics) and a PNG next
+The simulated server is a `serve_jax.simulator.SimConfig`: ``--config <preset or .yaml>`` and
+``key=value`` overrides (``kv_memory_gb=16``, ``no_admission_after_preemption=true``, ...; all
+listed by ``--help``); its most used fields also have flags, as tapas_jax's ``plan`` has
+(``--kv-memory-gb 16`` is ``kv_memory_gb=16``). The requests come from the
+workload flags every serve command shares (`serve_jax.cli_args`).
+
+Prints one row per policy (and the ratios of ``predictive`` to ``fcfs_last``), writes the rows
+as a JSON list (keys ``policy``, ``preemptions``, ``cascades``, ``p99_tpot_ms``,
+``p99_ttft_ms``, ``throughput_tok_s``, ``completed``, ``submitted`` first, then the other
+metrics; latencies in ms, as `serve_jax.metrics` reports them for every command) and a PNG next
 to it with the TPOT CDF of each policy and its cumulative preemptions over time.
+
+``--engine <serve preset>`` also runs each policy on the real engine and checks the simulator
+against it; ``engine.<key>=value`` overrides apply to that engine config.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import math
 from pathlib import Path
 from typing import Any
 
+from serve_jax.cli_args import add_slo_args, add_workload_args, workload_config, write_json
+from serve_jax.config import load_engine_config
+from serve_jax.metrics import record_from, summarize
 from serve_jax.preemption import POLICY_NAMES, get_policy
-from serve_jax.simulator import SimConfig, SimulationResult, simulate
-from serve_jax.workloads import make_workload
+from serve_jax.sim_metrics import count_cascades
+from serve_jax.simulator import (
+    SimConfig,
+    SimulationResult,
+    simulate,
+    simulator_config_for_engine,
+)
+from serve_jax.workloads import Workload, WorkloadConfig, build_workload
+from tapas_jax.commands import command_parser
+from tapas_jax.config import load_config, preset_path
 
-__all__ = ["main", "build_parser", "plot_results"]
+__all__ = ["main", "build_parser", "load_sim_config", "plot_results"]
+
+_ENGINE = "engine."
+_FLAGS = {
+    "model": (str, "served model preset (llama-7b, llama-13b, llama3-8b, tiny, small)"),
+    "hardware": (str, "chip profile (h100, h200, tpu-v5e, ...)"),
+    "kv_memory_gb": (float, "device memory for the KV cache, GB (<= 0: HBM left after weights)"),
+    "host_memory_gb": (float, "host KV memory, GB"),
+    "block_size": (int, "tokens per KV block"),
+    "max_num_seqs": (int, "most requests running at once"),
+    "max_num_batched_tokens": (int, "token budget per step"),
+    "cascade_window_s": (float, "a re-preemption within this many seconds is a cascade"),
+}
+"""SimConfig fields that also have a flag (as tapas_jax's plan does): ``--kv-memory-gb 8`` is
+``kv_memory_gb=8``."""
 
 
 def build_parser(prog: str = "simulate") -> argparse.ArgumentParser:
     """The command-line parser of ``simulate``."""
-    p = argparse.ArgumentParser(
-        prog=f"python -m serve_jax {prog}",
+    p = command_parser(
+        "serve_jax",
+        prog,
+        SimConfig,
         description="Compare preemption policies on a workload with the trace-driven simulator.",
+        example="kv_memory_gb=16",
     )
-    p.add_argument(
-        "--workload",
-        default="reasoning",
-        help="reasoning, agentic, azure-conv, azure-code, or an Azure-format CSV path",
+    p.epilog += (
+        "\n  engine.<key>=value\n      with --engine: an override of the engine config "
+        "(serve_jax.config.EngineConfig), e.g. engine.cache.num_device_blocks=16"
     )
-    p.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated names")
-    p.add_argument("--model", default="llama-7b", help="model shape (llama-7b, llama-13b, ...)")
-    p.add_argument("--hardware", default="h100", help="chip profile (h100, h200, tpu-v5e, ...)")
-    p.add_argument(
-        "--kv-memory-gb",
-        type=float,
-        default=8.0,
-        help="device memory for the KV cache, GB (<= 0: HBM left after the weights)",
-    )
-    p.add_argument("--host-memory-gb", type=float, default=64.0, help="host KV memory, GB")
-    p.add_argument("--rate-scale", type=float, default=1.0, help="arrivals this many times faster")
-    p.add_argument("--burstiness", type=float, default=1.0, help="inter-arrival CV (synthetic)")
-    p.add_argument("--duration-s", type=float, default=None, help="span of arrivals, seconds")
-    p.add_argument("--max-requests", type=int, default=None, help="keep the first N requests")
-    p.add_argument("--seed", type=int, default=0, help="seed of synthetic workloads")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--cascade-window-s", type=float, default=1.0)
-    p.add_argument("--slo-ttft-s", type=float, default=10.0)
-    p.add_argument("--slo-tpot-s", type=float, default=0.1)
+    for name, (typ, text) in _FLAGS.items():
+        p.add_argument(
+            "--" + name.replace("_", "-"), dest=name, type=typ, help=f"{text}; same as {name}=..."
+        )
     p.add_argument(
         "--vllm-admission",
         action="store_true",
-        help="no admission in a step that preempted (vLLM V1's rule); default: the engine's",
+        help="no admission in a step that preempted (vLLM V1's rule); same as "
+        "no_admission_after_preemption=true",
     )
+    add_workload_args(p, WorkloadConfig(name="reasoning"))
+    p.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated names")
     p.add_argument(
         "--gate-quantile",
         type=float,
@@ -78,26 +99,38 @@ def build_parser(prog: str = "simulate") -> argparse.ArgumentParser:
         help="predictive: admit past the gate when a later recompute would cost at most this "
         "many decode steps (default 0: never)",
     )
-    p.add_argument(
-        "--token-scale", type=float, default=1.0, help="multiply prompt and output lengths"
-    )
+    add_slo_args(p, None, None)
     p.add_argument(
         "--engine",
         default=None,
-        metavar="CONFIG",
+        metavar="PRESET",
         help="also run each policy on the real engine (serve preset or YAML, e.g. tiny_cpu) and "
         "check that the simulator, fed the engine's step times, preempts the same requests at the "
         "same steps; lengths are clipped to the model's context",
     )
-    p.add_argument(
-        "--engine-override",
-        action="append",
-        default=[],
-        help="engine config override key=value (repeatable), e.g. cache.num_device_blocks=24",
-    )
     p.add_argument("--json", default=None, help="write the rows here (and a PNG next to it)")
     p.add_argument("--png", default=None, help="PNG path (default: the JSON path with .png)")
     return p
+
+
+def load_sim_config(args: argparse.Namespace) -> SimConfig:
+    """The `SimConfig` of ``--config``, then the flags, then the (non-engine) overrides."""
+    path = preset_path("serve", args.config) if args.config else None
+    overrides = []
+    for name in _FLAGS:
+        value = getattr(args, name)
+        if name == "kv_memory_gb" and value is not None and value <= 0:
+            value = "null"
+        if value is not None:
+            overrides.append(f"{name}={value}")
+    if args.vllm_admission:
+        overrides.append("no_admission_after_preemption=true")
+    if args.slo_ttft_ms is not None:
+        overrides.append(f"slo_ttft_ms={args.slo_ttft_ms}")
+    if args.slo_tpot_ms is not None:
+        overrides.append(f"slo_tpot_ms={args.slo_tpot_ms}")
+    overrides += [o for o in args.overrides if not o.startswith(_ENGINE)]
+    return load_config(SimConfig, path, overrides)
 
 
 def _make_policy(name: str, args: argparse.Namespace):
@@ -126,9 +159,9 @@ def _print_table(results: list[SimulationResult]) -> None:
         ("cascades", "cascades"),
         ("back_to_back_preemption_steps", "b2b_steps"),
         ("offload_preemptions", "offloads"),
-        ("p99_tpot_s", "p99_tpot_s"),
-        ("p50_tpot_s", "p50_tpot_s"),
-        ("p99_ttft_s", "p99_ttft_s"),
+        ("p99_tpot_ms", "p99_tpot_ms"),
+        (("tpot_ms", "median"), "p50_tpot_ms"),
+        ("p99_ttft_ms", "p99_ttft_ms"),
         ("throughput_tok_s", "tok/s"),
         ("wasted_recompute_tokens", "wasted_tok"),
         ("goodput_req_s", "goodput"),
@@ -136,7 +169,11 @@ def _print_table(results: list[SimulationResult]) -> None:
         ("submitted", "sub"),
         ("sim_wall_s", "wall_s"),
     ]
-    rows = [[_fmt(r.row()[k]) for k, _ in cols] for r in results]
+
+    def cell(row: dict[str, Any], key) -> str:
+        return _fmt(row[key[0]][key[1]] if isinstance(key, tuple) else row[key])
+
+    rows = [[cell(r.row(), k) for k, _ in cols] for r in results]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, (_, h) in enumerate(cols)]
     print("  ".join(h.ljust(w) for (_, h), w in zip(cols, widths)))
     for row in rows:
@@ -154,9 +191,9 @@ def _ratios(results: list[SimulationResult]) -> dict[str, float] | None:
 
     return {
         "preemption_reduction_x": div(f["preemptions"], p["preemptions"]),
-        "p99_tpot_reduction_x": div(f["p99_tpot_s"], p["p99_tpot_s"]),
+        "p99_tpot_reduction_x": div(f["p99_tpot_ms"], p["p99_tpot_ms"]),
         "throughput_ratio": div(p["throughput_tok_s"], f["throughput_tok_s"]),
-        "p99_ttft_ratio": div(p["p99_ttft_s"], f["p99_ttft_s"]),
+        "p99_ttft_ratio": div(p["p99_ttft_ms"], f["p99_ttft_ms"]),
     }
 
 
@@ -170,9 +207,9 @@ def plot_results(results: list[SimulationResult], path: str | Path, title: str =
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for r in results:
-        t = np.sort(r.tpots)
+        t = np.sort(r.tpots_ms)
         if len(t):
-            ax1.plot(t * 1e3, np.arange(1, len(t) + 1) / len(t), label=r.policy)
+            ax1.plot(t, np.arange(1, len(t) + 1) / len(t), label=r.policy)
         pt = np.sort(r.preemption_times)
         ax2.step(np.concatenate([[0.0], pt]), np.arange(len(pt) + 1), where="post", label=r.policy)
     ax1.set_xscale("log")
@@ -199,41 +236,25 @@ def main(argv: list[str]) -> int:
     args = build_parser(argv[0] if argv else "simulate").parse_args(argv[1:])
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
-        raise SystemExit("simulate: --policies is empty")
-    config = SimConfig(
-        model=args.model,
-        hardware=args.hardware,
-        kv_memory_gb=args.kv_memory_gb if args.kv_memory_gb > 0 else None,
-        host_memory_gb=args.host_memory_gb,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        cascade_window_s=args.cascade_window_s,
-        slo_ttft_s=args.slo_ttft_s,
-        slo_tpot_s=args.slo_tpot_s,
-        no_admission_after_preemption=args.vllm_admission,
-    )
-    workload = make_workload(
-        args.workload,
-        rate_scale=args.rate_scale,
-        burstiness=args.burstiness,
-        duration_s=args.duration_s,
-        max_requests=args.max_requests,
-        seed=args.seed,
-    )
-    if args.token_scale != 1.0:
-        workload = workload.with_token_scale(args.token_scale)
+        raise ValueError("--policies is empty")
+    for name in policies:
+        get_policy(name)  # an unknown name fails before any work
+    config = load_sim_config(args)
+    wcfg = workload_config(args)
+    workload = build_workload(wcfg)
     costs = config.cost_model()
-    blocks = costs.kv_capacity_blocks(config.kv_memory_gb)
+    blocks = config.num_device_blocks or costs.kv_capacity_blocks(config.kv_memory_gb)
     s = workload.summary()
     print(
         f"workload {workload.name}: {len(workload.requests)} requests over "
         f"{workload.duration_s:.0f} s, prompt mean {s.get('prompt_mean', 0):.0f}, output mean "
-        f"{s.get('output_mean', 0):.0f} tokens; {args.model} on {args.hardware}, KV "
-        f"{blocks} blocks x {args.block_size} tokens ({blocks * args.block_size} tokens)"
+        f"{s.get('output_mean', 0):.0f} tokens; {config.model} on {config.hardware}, KV "
+        f"{blocks} blocks x {config.block_size} tokens ({blocks * config.block_size} tokens)"
     )
     if args.engine:
-        return _engine_mode(args, workload, policies)
+        return _engine_mode(args, config, workload, policies)
+    if any(o.startswith(_ENGINE) for o in args.overrides):
+        raise ValueError("engine.<key>=value overrides need --engine PRESET")
     results = []
     for name in policies:
         res = simulate(workload, _make_policy(name, args), config)
@@ -255,40 +276,41 @@ def main(argv: list[str]) -> int:
         for r in results:
             row = r.row()
             row.update(
-                model=args.model,
-                hardware=args.hardware,
-                kv_memory_gb=args.kv_memory_gb,
-                rate_scale=args.rate_scale,
-                vllm_admission=args.vllm_admission,
+                model=config.model,
+                hardware=config.hardware,
+                kv_memory_gb=config.kv_memory_gb,
+                rate_scale=wcfg.rate_scale,
+                vllm_admission=config.no_admission_after_preemption,
             )
             if ratios and r.policy == "predictive":
                 row["vs_fcfs_last"] = ratios
             rows.append(row)
         path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rows, indent=2, default=float))
         png = Path(args.png) if args.png else path.with_suffix(".png")
+        write_json(path, rows)
+        png.parent.mkdir(parents=True, exist_ok=True)
+        kv = "HBM left" if config.kv_memory_gb is None else f"{config.kv_memory_gb:g} GB"
         title = (
-            f"{workload.name}, {args.model} on {args.hardware}, "
-            f"KV {args.kv_memory_gb:g} GB, rate x{args.rate_scale:g}"
+            f"{workload.name}, {config.model} on {config.hardware}, "
+            f"KV {kv}, rate x{wcfg.rate_scale:g}"
         )
         plot_results(results, png, title)
-        print(f"wrote {path} and {png}")
+        print(f"wrote {png}")
     return 0
 
 
-def _engine_mode(args: argparse.Namespace, workload, policies: list[str]) -> int:
+def _engine_mode(
+    args: argparse.Namespace, config: SimConfig, workload: Workload, policies: list[str]
+) -> int:
     """Each policy on the real engine, then the simulator on the engine's step times."""
-    from serve_jax.config import load_engine_config
-    from serve_jax.simulator import (
-        count_cascades,
-        latency_summary,
-        replay_on_engine,
-        simulator_config_for_engine,
+    overrides = [o[len(_ENGINE) :] for o in args.overrides if o.startswith(_ENGINE)]
+    cfg = load_engine_config(args.engine, overrides)
+    sim_cfg = simulator_config_for_engine(
+        cfg,
+        cascade_window_s=config.cascade_window_s,
+        slo_ttft_ms=config.slo_ttft_ms,
+        slo_tpot_ms=config.slo_tpot_ms,
     )
-
-    cfg = load_engine_config(args.engine, args.engine_override)
-    sim_cfg = simulator_config_for_engine(cfg, cascade_window_s=args.cascade_window_s)
     limit = min(sim_cfg.max_model_len or 10**9, cfg.cache.num_device_blocks * cfg.cache.block_size)
     workload = workload.with_token_scale(1.0, max_total=limit)
     print(
@@ -296,53 +318,46 @@ def _engine_mode(args: argparse.Namespace, workload, policies: list[str]) -> int
         f"{cfg.cache.block_size}, {cfg.cache.num_host_blocks} host blocks): "
         f"{len(workload.requests)} requests, {workload.total_output_tokens()} output tokens"
     )
+    # The JAX engine is imported only here: the simulator's own path never loads JAX.
+    from serve_jax.crosscheck import replay_on_engine, simulate_replay
+
     # Warm-up: the first steps compile the executor's programs; keep that out of the timings.
     replay_on_engine(cfg, workload.head(min(4, len(workload.requests))), "fcfs_last")
     rows = []
     for name in policies:
         real = replay_on_engine(cfg, workload, _make_policy(name, args), seed=args.seed)
-        sim = simulate(
-            workload,
-            _make_policy(name, args),
-            sim_cfg,
-            step_times=real.step_seconds,
-            costs=copy.deepcopy(real.initial_costs),
-            cost_observations=real.cost_observations,
-        )
+        sim = simulate_replay(workload, _make_policy(name, args), sim_cfg, real)
         sim_events = sorted((t, rid) for _, t, rid, _ in sim.preemption_log)
-        lat, _ = latency_summary(real.requests)
+        finished = [r for r in real.requests if r.status.finished]
         makespan = max(r.finish_time or 0.0 for r in real.requests)
+        lat = summarize([record_from(r) for r in finished], makespan if makespan > 0 else None)
         out_tokens = sum(r.num_output_tokens for r in real.requests)
         rows.append(
             {
                 "policy": name,
                 "preemptions": len(real.preemptions),
-                "cascades": count_cascades(real.requests, args.cascade_window_s),
-                "p99_tpot_s": lat["p99_tpot_s"],
-                "p99_ttft_s": lat["p99_ttft_s"],
+                "cascades": count_cascades(real.requests, config.cascade_window_s),
+                "p99_tpot_ms": lat["tpot_ms"]["p99"],
+                "p99_ttft_ms": lat["ttft_ms"]["p99"],
                 "throughput_tok_s": out_tokens / makespan if makespan > 0 else 0.0,
-                "completed": sum(1 for r in real.requests if r.status.finished),
+                "completed": len(finished),
                 "submitted": len(workload.requests),
                 "engine_steps": len(real.step_seconds),
                 "offload_preemptions": real.num_offload_preemptions,
                 "sim_preemptions": sim.preemptions,
                 "same_preemption_sequence": sim_events == real.preemptions,
-                "mean_tpot_s": lat["mean_tpot_s"],
-                "p50_tpot_s": lat["p50_tpot_s"],
+                "tpot_ms": lat["tpot_ms"],
+                "ttft_ms": lat["ttft_ms"],
                 "engine": args.engine,
             }
         )
         r = rows[-1]
         print(
             f"{name:16s} preemptions {r['preemptions']:5d} (sim {r['sim_preemptions']:5d}, same "
-            f"sequence: {r['same_preemption_sequence']})  p99 TPOT {_fmt(r['p99_tpot_s'])} s  "
-            f"p99 TTFT {_fmt(r['p99_ttft_s'])} s  {_fmt(r['throughput_tok_s'])} tok/s  "
+            f"sequence: {r['same_preemption_sequence']})  p99 TPOT {_fmt(r['p99_tpot_ms'])} ms  "
+            f"p99 TTFT {_fmt(r['p99_ttft_ms'])} ms  {_fmt(r['throughput_tok_s'])} tok/s  "
             f"{r['completed']}/{r['submitted']} done",
             flush=True,
         )
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rows, indent=2, default=float))
-        print(f"wrote {path}")
+    write_json(args.json, rows)
     return 0 if all(r["same_preemption_sequence"] for r in rows) else 1

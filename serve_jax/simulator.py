@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 
 from serve_jax.costmodel import RooflineCostModel
+from serve_jax.metrics import Slo, record_from, request_latencies, summarize
+from serve_jax.model_config import ModelConfig, get_model_config
 from serve_jax.preemption import get_policy
 from serve_jax.scheduler import (
     ExecutorOutput,
@@ -57,7 +59,6 @@ __all__ = [
     "SimConfig",
     "SimulationResult",
     "simulate",
-    "latency_summary",
     "count_cascades",
     "STOP_TOKEN",
 ]
@@ -217,6 +218,8 @@ class SimConfig:
 
     model: str = "llama-7b"
     """Model preset (see `serve_jax.model_config.PRESETS`), priced at its dtype."""
+    dtype: str | None = None
+    """Parameter dtype of the model (None: the preset's, bfloat16 for the Llama shapes)."""
     hardware: str = "h100"
     """Hardware profile (see `tapas_jax.hardware.PROFILES`)."""
     kv_memory_gb: float | None = 8.0
@@ -231,10 +234,10 @@ class SimConfig:
     """Token budget per step (chunked prefill)."""
     cascade_window_s: float = 1.0
     """A preemption within this many seconds of the request's last resume is a cascade."""
-    slo_ttft_s: float = 10.0
-    """TTFT objective for goodput."""
-    slo_tpot_s: float = 0.1
-    """TPOT objective for goodput."""
+    slo_ttft_ms: float = 10000.0
+    """TTFT objective for goodput, ms."""
+    slo_tpot_ms: float = 100.0
+    """TPOT objective for goodput, ms."""
     no_admission_after_preemption: bool = False
     """vLLM V1's rule: a step that preempted admits no waiting request (see `GatedScheduler`)."""
     finish_by: str = "stop_token"
@@ -248,9 +251,15 @@ class SimConfig:
     max_model_len: int | None = None
     """Longest prompt + output (default: all device blocks), as the engine's model limit."""
 
+    def model_config(self) -> ModelConfig:
+        """The simulated model's shapes (the preset at ``dtype``)."""
+        return get_model_config(self.model, **({"dtype": self.dtype} if self.dtype else {}))
+
     def cost_model(self) -> RooflineCostModel:
         """The roofline cost model of this configuration."""
-        return RooflineCostModel.create(self.model, self.hardware, block_size=self.block_size)
+        return RooflineCostModel.create(
+            self.model_config(), self.hardware, block_size=self.block_size
+        )
 
 
 @dataclasses.dataclass
@@ -272,8 +281,10 @@ class SimulationResult:
     output_tokens: int
     steps: int
     wall_seconds: float
-    latency: dict[str, float]
-    tpots: np.ndarray
+    summary: dict[str, Any]
+    """`serve_jax.metrics.summarize` of the finished requests over the makespan (ms)."""
+    tpots_ms: np.ndarray
+    """TPOT of each finished request with more than one token, ms."""
     preemption_times: np.ndarray
     preemptions_per_request_max: int
     preempted_requests: int
@@ -295,8 +306,8 @@ class SimulationResult:
             "policy": self.policy,
             "preemptions": self.preemptions,
             "cascades": self.cascades,
-            "p99_tpot_s": self.latency.get("p99_tpot_s", float("nan")),
-            "p99_ttft_s": self.latency.get("p99_ttft_s", float("nan")),
+            "p99_tpot_ms": self.summary["tpot_ms"]["p99"],
+            "p99_ttft_ms": self.summary["ttft_ms"]["p99"],
             "throughput_tok_s": self.throughput_tok_s,
             "completed": self.completed,
             "submitted": self.submitted,
@@ -317,43 +328,10 @@ class SimulationResult:
             "device_blocks": self.device_blocks,
             "sim_wall_s": self.wall_seconds,
         }
-        row.update({k: v for k, v in self.latency.items() if k not in row})
+        row.update({k: self.summary[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")})
         if self.predictor_error is not None:
             row["predictor"] = self.predictor_error
         return row
-
-
-def _stats(name: str, xs: np.ndarray) -> dict[str, float]:
-    if len(xs) == 0:
-        return {f"mean_{name}": float("nan"), f"p50_{name}": float("nan"),
-                f"p99_{name}": float("nan")}  # fmt: skip
-    return {
-        f"mean_{name}": float(np.mean(xs)),
-        f"p50_{name}": float(np.percentile(xs, 50)),
-        f"p99_{name}": float(np.percentile(xs, 99)),
-    }
-
-
-def latency_summary(requests: Sequence[Request]) -> tuple[dict[str, float], np.ndarray]:
-    """TTFT / TPOT / E2EL mean, median and p99 of finished requests, and the TPOT array.
-
-    TPOT of a request is ``(finish - first token) / (output tokens - 1)`` (requests with one
-    output token have none); it includes every stall the request saw after its first token.
-    """
-    ttft, tpot, e2el = [], [], []
-    for r in requests:
-        if r.finish_time is None or r.first_token_time is None:
-            continue
-        ttft.append(r.first_token_time - r.arrival_time)
-        e2el.append(r.finish_time - r.arrival_time)
-        if r.num_output_tokens > 1:
-            tpot.append((r.finish_time - r.first_token_time) / (r.num_output_tokens - 1))
-    tp = np.asarray(tpot, dtype=np.float64)
-    out = {}
-    out.update(_stats("ttft_s", np.asarray(ttft)))
-    out.update(_stats("tpot_s", tp))
-    out.update(_stats("e2el_s", np.asarray(e2el)))
-    return out, tp
 
 
 def simulate(
@@ -544,17 +522,13 @@ def count_cascades(requests: Sequence[Request], window_s: float) -> int:
 def _result(pol, workload, reqs, sched, config: SimConfig, tally: _Tally) -> SimulationResult:
     ok = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
     completed = [r for r in reqs.values() if r.status in ok]
-    lat, tpots = latency_summary(completed)
     cascades = count_cascades(list(reqs.values()), config.cascade_window_s)
     t0 = min((r.arrival_time for r in reqs.values()), default=0.0)
     t1 = max((r.finish_time or 0.0 for r in reqs.values()), default=0.0)
     makespan = max(t1 - t0, 0.0)
-    good = 0
-    for r in completed:
-        ttft = r.first_token_time - r.arrival_time
-        n = r.num_output_tokens
-        tpot = (r.finish_time - r.first_token_time) / (n - 1) if n > 1 else 0.0
-        good += int(ttft <= config.slo_ttft_s and tpot <= config.slo_tpot_s)
+    records = [record_from(r) for r in completed]
+    slo = Slo(config.slo_ttft_ms, config.slo_tpot_ms)
+    summary = summarize(records, makespan if makespan > 0 else None, slo)
     per_req = [r.num_preemptions for r in reqs.values()]
     pred_err = pol.log.summary() if hasattr(pol, "log") else None
     return SimulationResult(
@@ -573,13 +547,13 @@ def _result(pol, workload, reqs, sched, config: SimConfig, tally: _Tally) -> Sim
         output_tokens=sum(r.num_output_tokens for r in completed),
         steps=tally.steps,
         wall_seconds=tally.wall,
-        latency=lat,
-        tpots=tpots,
+        summary=summary,
+        tpots_ms=request_latencies(records)["tpot"],
         preemption_times=np.asarray(tally.preempt_times, dtype=np.float64),
         preemptions_per_request_max=max(per_req, default=0),
         preempted_requests=sum(1 for x in per_req if x > 0),
-        goodput_req_s=good / makespan if makespan > 0 else 0.0,
-        slo_attainment=good / max(len(workload.requests), 1),
+        goodput_req_s=summary["goodput"] if makespan > 0 else 0.0,
+        slo_attainment=summary["slo_met"] / max(len(workload.requests), 1),
         device_blocks=tally.num_blocks,
         predictor_error=pred_err,
         preemption_log=tally.preempt_log,
@@ -716,14 +690,13 @@ def replay_on_engine(
 
 
 def simulator_config_for_engine(engine_config: Any, **overrides: Any) -> SimConfig:
-    """The `SimConfig` whose scheduler matches an engine config (blocks, limits, model length)."""
-    cc, sc = engine_config.cache, engine_config.scheduler
-    from serve_jax.model_config import get_model_config
-
-    mc = engine_config.model
+    """The `SimConfig` of an engine config: its model (priced at its dtype), blocks, limits."""
+    cc, sc, mc = engine_config.cache, engine_config.scheduler, engine_config.model
     kw = {"max_seq_len": mc.max_seq_len} if mc.max_seq_len else {}
     max_len = get_model_config(mc.preset, **kw).max_seq_len
     base = dict(
+        model=mc.preset,
+        dtype=mc.dtype,
         block_size=cc.block_size,
         num_device_blocks=cc.num_device_blocks,
         num_host_blocks=cc.num_host_blocks,

@@ -1,11 +1,15 @@
-"""Request workloads for the serving simulator and the engine: traces and synthetic generators.
+"""Request workloads for the engine, the load generator and the simulator: one request type.
 
 A `Workload` is a list of `RequestSpec` (arrival time, prompt length, output length) sorted by
-arrival. Four families:
+arrival; ``replay``, ``bench`` and ``simulate`` all build theirs with `build_workload` from one
+`WorkloadConfig` (the same flags on every command, see `serve_jax.cli_args`). Families:
 
-- ``azure-conv`` / ``azure-code`` (or any CSV path in the Azure format ``TIMESTAMP,
-  ContextTokens, GeneratedTokens``): real production arrivals and lengths, read through
-  `serve_jax.traces`.
+- traces in the Azure LLM inference format (``TIMESTAMP, ContextTokens, GeneratedTokens``):
+  ``conv`` / ``code`` (samples shipped in ``serve_jax/data/``, with attribution), ``azure-conv``
+  / ``azure-code`` (the full 2023 traces in `trace_dir`), or the path of any such CSV
+  (`load_trace`). Prompt text is not part of these traces: the engine makes prompts of the given
+  length and forces the given output length. ``rate`` replaces a trace's timestamps by a gamma
+  process (`Workload.with_arrivals`).
 - ``reasoning``: long outputs, a two-component log-normal mixture of output lengths with medians
   near 2k and 8k tokens (short and long chains of thought), moderate prompts.
 - ``agentic``: multi-turn sessions whose context grows turn after turn: turn ``k`` re-sends the
@@ -14,15 +18,22 @@ arrival. Four families:
   (`RequestSpec.parent_id`); ``arrival_time`` holds the open-loop estimate used by tools that
   cannot follow dependencies.
 
-Arrivals of the synthetic families are a renewal process with gamma inter-arrival times whose
-coefficient of variation is ``burstiness`` (1 = Poisson, > 1 bursty). ``rate_scale`` divides all
-arrival times (2 = twice the request rate). Everything is seeded (`numpy.random.default_rng`).
+Arrivals of the synthetic families (and of a trace given a ``rate``) are a renewal process with
+gamma inter-arrival times of shape ``burstiness``, vLLM's convention: 1 = Poisson, < 1 burstier,
+> 1 more regular (the coefficient of variation is ``1 / sqrt(burstiness)``). ``rate_scale``
+divides all arrival times (2 = twice the request rate). Everything is seeded
+(`numpy.random.default_rng`). The module is ~500 lines on purpose: the request type, the trace
+reader, the generators and the one builder that picks among them belong together (split, the
+builder and the request type would import each other's modules).
 """
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import datetime as dt
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -30,21 +41,26 @@ import numpy as np
 __all__ = [
     "RequestSpec",
     "Workload",
+    "WorkloadConfig",
+    "build_workload",
     "gamma_arrivals",
     "reasoning_workload",
     "agentic_workload",
-    "azure_workload",
-    "make_workload",
+    "load_trace",
+    "trace_path",
+    "trace_dir",
     "WORKLOAD_NAMES",
-    "TRACE_DIR",
 ]
 
-TRACE_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+_DATA = Path(__file__).resolve().parent / "data"
+_SAMPLES = {"conv": "azure_llm_conv_2023_sample.csv", "code": "azure_llm_code_2023_sample.csv"}
 _AZURE_FILES = {
     "azure-conv": "azure_llm_conv_2023.csv",
     "azure-code": "azure_llm_code_2023.csv",
 }
-WORKLOAD_NAMES = ("reasoning", "agentic", "azure-conv", "azure-code")
+_SYNTHETIC = ("reasoning", "agentic")
+WORKLOAD_NAMES = (*_SYNTHETIC, *_SAMPLES, *_AZURE_FILES)
+_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +122,43 @@ class Workload:
         )
         return Workload(self.name, reqs)
 
-    def with_token_scale(self, factor: float, max_total: int | None = None) -> Workload:
-        """Prompt and output lengths times ``factor`` (at least 1 token each).
+    def with_arrivals(self, rate: float, burstiness: float = 1.0, seed: int = 0) -> Workload:
+        """The same requests, in order, arriving as a gamma process of ``rate`` req/s.
+
+        The first request arrives at 0; ``rate=inf`` puts every arrival at 0. Open-loop only.
+        """
+        if rate <= 0:
+            raise ValueError(f"rate must be > 0, got {rate}")
+        if burstiness <= 0:
+            raise ValueError(f"burstiness must be > 0, got {burstiness}")
+        if any(r.parent_id is not None for r in self.requests):
+            raise ValueError(f"workload {self.name!r} has follow-up turns: it keeps its arrivals")
+        if math.isinf(rate):
+            times = np.zeros(len(self.requests))
+        else:
+            rng = np.random.default_rng(seed)
+            gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), size=len(self.requests))
+            times = np.concatenate([[0.0], np.cumsum(gaps[:-1])])
+        reqs = tuple(
+            dataclasses.replace(r, arrival_time=float(t)) for r, t in zip(self.requests, times)
+        )
+        return Workload(self.name, reqs)
+
+    def with_token_scale(
+        self,
+        factor: float,
+        max_total: int | None = None,
+        *,
+        max_prompt: int | None = None,
+        max_output: int | None = None,
+    ) -> Workload:
+        """Prompt and output lengths times ``factor`` (at least 1 token each), then clipped.
 
         Args:
           factor: length multiplier (e.g. 1/100 to fit a tiny CPU model).
           max_total: clip so that prompt + output stays within this many tokens.
+          max_prompt: clip prompts to this many tokens.
+          max_output: clip outputs to this many tokens.
         """
         if factor <= 0:
             raise ValueError(f"token scale must be positive, got {factor}")
@@ -119,6 +166,10 @@ class Workload:
         for r in self.requests:
             p = max(int(round(r.prompt_len * factor)), 1)
             o = max(int(round(r.output_len * factor)), 1)
+            if max_prompt:
+                p = min(p, max_prompt)
+            if max_output:
+                o = min(o, max_output)
             if max_total is not None:
                 p = min(p, max(max_total // 2, 1))
                 o = max(min(o, max_total - p), 1)
@@ -158,7 +209,8 @@ def gamma_arrivals(
       rng: random generator.
       rate: mean arrivals per second.
       duration_s: arrivals are drawn in ``[0, duration_s)``.
-      burstiness: coefficient of variation of the inter-arrival times (1 = Poisson).
+      burstiness: gamma shape of the inter-arrival times (1 = Poisson, < 1 burstier); their
+        coefficient of variation is ``1 / sqrt(burstiness)``.
 
     Returns:
       Sorted arrival times.
@@ -168,7 +220,7 @@ def gamma_arrivals(
             f"rate, duration_s and burstiness must be positive, got {rate}, {duration_s}, "
             f"{burstiness}"
         )
-    shape = 1.0 / burstiness**2
+    shape = burstiness
     scale = 1.0 / (rate * shape)
     n_guess = int(rate * duration_s * 1.5 + 10 * math.sqrt(rate * duration_s) + 16)
     gaps = rng.gamma(shape, scale, size=n_guess)
@@ -204,7 +256,7 @@ def reasoning_workload(
     Args:
       rate: requests per second.
       duration_s: span of arrivals.
-      burstiness: coefficient of variation of inter-arrival times.
+      burstiness: gamma shape of inter-arrival times (1 = Poisson).
       prompt_median, prompt_sigma: log-normal prompt lengths.
       short_median, long_median: medians of the two output-length components.
       long_fraction: probability of the long component.
@@ -252,7 +304,7 @@ def agentic_workload(
     Args:
       session_rate: new sessions per second.
       duration_s: span of session starts.
-      burstiness: coefficient of variation of session inter-arrival times.
+      burstiness: gamma shape of session inter-arrival times (1 = Poisson).
       mean_turns: mean turns per session (geometric).
       system_prompt_median: median first-turn prompt (system prompt + task).
       tool_tokens_median: median tokens added by each tool result or user message.
@@ -287,81 +339,178 @@ def agentic_workload(
     return Workload("agentic", tuple(reqs))
 
 
-def azure_workload(
-    name_or_path: str | Path,
-    *,
-    duration_s: float | None = None,
-    max_requests: int | None = None,
-    max_output: int | None = None,
-) -> Workload:
-    """A workload from an Azure-format trace (a known name or a CSV path).
+def trace_dir() -> Path:
+    """Folder of the full Azure traces: ``$SERVE_JAX_TRACE_DIR``, else ``shared/traces`` next to
+    the source tree (the files are too big to ship in the package)."""
+    env = os.environ.get("SERVE_JAX_TRACE_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
 
-    Args:
-      name_or_path: ``azure-conv``, ``azure-code`` or the path of a CSV with columns
-        ``TIMESTAMP, ContextTokens, GeneratedTokens``.
-      duration_s: keep requests arriving in the first ``duration_s`` seconds.
-      max_requests: keep at most this many requests.
-      max_output: clip output lengths (e.g. to a model's context).
+
+def trace_path(name: str | Path) -> Path:
+    """The CSV of a trace name (``conv``, ``code``, ``azure-conv``, ``azure-code``) or a path.
 
     Raises:
-      FileNotFoundError: the trace file does not exist.
-      ValueError: a malformed trace (raised by `serve_jax.traces`).
+      FileNotFoundError: the file does not exist.
     """
-    from serve_jax import traces
-
-    key = str(name_or_path)
-    path = TRACE_DIR / _AZURE_FILES[key] if key in _AZURE_FILES else Path(key)
-    if not path.exists():
-        raise FileNotFoundError(f"trace {str(path)!r} does not exist")
-    rows = traces.load_trace(path)
-    reqs = []
-    for i, row in enumerate(rows):
-        t = float(row.arrival_s)
-        if duration_s is not None and t >= duration_s:
-            break
-        if max_requests is not None and len(reqs) >= max_requests:
-            break
-        out = max(int(row.output_tokens), 1)
-        if max_output is not None:
-            out = min(out, max_output)
-        reqs.append(RequestSpec(f"a{i}", t, max(int(row.prompt_tokens), 1), out))
-    name = key if key in _AZURE_FILES else path.name
-    return Workload(name, tuple(reqs))
+    key = str(name)
+    if key in _SAMPLES:
+        path = _DATA / _SAMPLES[key]
+    elif key in _AZURE_FILES:
+        path = trace_dir() / _AZURE_FILES[key]
+    else:
+        path = Path(key)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace file {str(path)!r} does not exist")
+    return path
 
 
-def make_workload(
-    name: str,
-    *,
-    rate_scale: float = 1.0,
-    burstiness: float = 1.0,
-    duration_s: float | None = None,
-    max_requests: int | None = None,
-    seed: int = 0,
-) -> Workload:
-    """Builds a workload by name (``reasoning``, ``agentic``, ``azure-conv``, ``azure-code``)
-    or from the path of an Azure-format CSV.
+def _parse_time(text: str, path: Path, line: int) -> float:
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    if "." in text:  # the Azure files carry 7 fractional digits; datetime takes 6
+        head, frac = text.split(".", 1)
+        text = f"{head}.{frac[:6]}"
+    try:
+        return dt.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise ValueError(f"{path}:{line}: bad TIMESTAMP") from None
+
+
+def load_trace(name: str | Path, limit: int | None = None, skip: int = 0) -> Workload:
+    """Reads an Azure-format CSV trace into a `Workload` (arrivals relative to its first row).
 
     Args:
-      name: workload name or CSV path.
-      rate_scale: arrivals ``rate_scale`` times faster.
-      burstiness: inter-arrival coefficient of variation (synthetic workloads only).
-      duration_s: span of arrivals before scaling; default one hour (traces: all of it).
-      max_requests: keep the first ``max_requests`` requests.
-      seed: random seed (synthetic workloads only).
+      name: a trace name (see `trace_path`) or the CSV's path.
+      limit: keep at most this many rows (after ``skip``).
+      skip: drop this many rows first.
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: a missing column or a malformed row, naming the file and line (never its text).
     """
-    if name == "reasoning":
-        wl = reasoning_workload(duration_s=duration_s or 3600.0, burstiness=burstiness, seed=seed)
-    elif name == "agentic":
-        wl = agentic_workload(duration_s=duration_s or 3600.0, burstiness=burstiness, seed=seed)
-    elif name in _AZURE_FILES or name.endswith(".csv") or Path(name).exists():
-        if burstiness != 1.0:
-            raise ValueError("burstiness applies to synthetic workloads; a trace keeps its own")
-        wl = azure_workload(name, duration_s=duration_s)
+    path = trace_path(name)
+    rows: list[tuple[float, int, int]] = []
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        try:
+            fields = reader.fieldnames or []
+        except (UnicodeDecodeError, csv.Error):
+            raise ValueError(f"{path}: not a CSV trace") from None
+        missing = [c for c in _COLUMNS if c not in fields]
+        if missing:
+            raise ValueError(f"{path}: missing column(s) {missing}; expected {list(_COLUMNS)}")
+        try:
+            for i, row in enumerate(reader):
+                if i < skip:
+                    continue
+                if limit is not None and len(rows) >= limit:
+                    break
+                line = i + 2
+                try:
+                    ctx, gen = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+                except (TypeError, ValueError):
+                    raise ValueError(f"{path}:{line}: token counts must be integers") from None
+                if ctx < 0 or gen < 0:
+                    raise ValueError(f"{path}:{line}: negative token count")
+                rows.append((_parse_time(row["TIMESTAMP"] or "", path, line), ctx, gen))
+        except (UnicodeDecodeError, csv.Error):
+            raise ValueError(f"{path}: not a CSV trace") from None
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    t0 = min(r[0] for r in rows)
+    rows.sort(key=lambda r: r[0])
+    reqs = tuple(
+        RequestSpec(f"a{skip + i}", t - t0, max(1, c), max(1, g))
+        for i, (t, c, g) in enumerate(rows)
+    )
+    key = str(name)
+    return Workload(key if key in _SAMPLES or key in _AZURE_FILES else path.name, reqs)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadConfig:
+    """Which requests a command runs (the same fields, and flags, for replay, bench, simulate)."""
+
+    name: str = "conv"
+    """reasoning, agentic, conv, code, azure-conv, azure-code, or an Azure-format CSV path."""
+    num_requests: int | None = None
+    """Keep the first N requests (None: all)."""
+    skip: int = 0
+    """Trace rows skipped first (traces only)."""
+    duration_s: float | None = None
+    """Span of arrivals: a trace keeps its first ``duration_s`` seconds; a generator draws
+    arrivals over it (None: a trace's whole length, one hour for a generator)."""
+    rate: float | None = None
+    """Arrival rate, req/s (agentic: sessions/s). A trace's timestamps are replaced by a gamma
+    process of this rate (None: keep them); a generator draws at it (None: 0.05)."""
+    burstiness: float = 1.0
+    """Gamma shape of the inter-arrival times: 1 Poisson, < 1 burstier, > 1 more regular."""
+    rate_scale: float = 1.0
+    """Arrivals this many times faster (think times of follow-up turns too)."""
+    token_scale: float = 1.0
+    """Multiply prompt and output lengths by this."""
+    max_input_len: int | None = None
+    """Clip prompt lengths."""
+    max_output_len: int | None = None
+    """Clip output lengths."""
+    seed: int = 0
+    """Seed of the generators and of the arrival process."""
+
+
+def _is_trace(name: str) -> bool:
+    return name in _SAMPLES or name in _AZURE_FILES or name.endswith(".csv") or Path(name).is_file()
+
+
+def _tightest(*limits: int | None) -> int | None:
+    given = [x for x in limits if x]
+    return min(given) if given else None
+
+
+def build_workload(
+    cfg: WorkloadConfig, *, max_prompt: int | None = None, max_output: int | None = None
+) -> Workload:
+    """The workload ``cfg`` describes, lengths clipped to a model's limits too.
+
+    Args:
+      cfg: the workload settings.
+      max_prompt: the model's longest prompt (clips with ``cfg.max_input_len``).
+      max_output: the model's longest output (clips with ``cfg.max_output_len``).
+
+    Raises:
+      ValueError: an unknown name, a bad value, or an option that does not apply to the workload.
+      FileNotFoundError: a trace file that does not exist.
+    """
+    if cfg.name in _SYNTHETIC:
+        if cfg.skip:
+            raise ValueError("skip applies to traces, not to a generated workload")
+        kw = dict(duration_s=cfg.duration_s or 3600.0, burstiness=cfg.burstiness, seed=cfg.seed)
+        if cfg.rate is not None:
+            kw["rate" if cfg.name == "reasoning" else "session_rate"] = cfg.rate
+        wl = (reasoning_workload if cfg.name == "reasoning" else agentic_workload)(**kw)
+        if cfg.num_requests is not None:
+            wl = wl.head(cfg.num_requests)
+    elif _is_trace(cfg.name):
+        if cfg.duration_s is None:
+            wl = load_trace(cfg.name, limit=cfg.num_requests, skip=cfg.skip)
+        else:
+            wl = load_trace(cfg.name, skip=cfg.skip)
+            keep = tuple(r for r in wl.requests if r.arrival_time < cfg.duration_s)
+            wl = Workload(wl.name, keep[: cfg.num_requests])
+        if cfg.rate is not None:
+            wl = wl.with_arrivals(cfg.rate, cfg.burstiness, cfg.seed)
+        elif cfg.burstiness != 1.0:
+            raise ValueError("burstiness shapes generated arrivals: give a rate with a trace")
     else:
         raise ValueError(
-            f"unknown workload {name!r}: expected one of {', '.join(WORKLOAD_NAMES)} or the "
+            f"unknown workload {cfg.name!r}: expected one of {', '.join(WORKLOAD_NAMES)} or the "
             "path of an Azure-format CSV (TIMESTAMP, ContextTokens, GeneratedTokens)"
         )
-    if max_requests is not None:
-        wl = wl.head(max_requests)
-    return wl.scaled(rate_scale) if rate_scale != 1.0 else wl
+    if cfg.rate_scale != 1.0:
+        wl = wl.scaled(cfg.rate_scale)
+    mp, mo = _tightest(cfg.max_input_len, max_prompt), _tightest(cfg.max_output_len, max_output)
+    if cfg.token_scale != 1.0 or mp or mo:
+        wl = wl.with_token_scale(cfg.token_scale, max_prompt=mp, max_output=mo)
+    return wl

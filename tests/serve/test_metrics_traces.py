@@ -1,4 +1,4 @@
-"""Latency metrics with numbers worked out by hand, the trace reader, and the replay command."""
+"""Latency metrics with numbers worked out by hand, and the replay command."""
 
 from __future__ import annotations
 
@@ -6,13 +6,9 @@ import json
 
 import pytest
 
-from serve_jax.metrics import RequestRecord, Slo, format_table, summarize
-from serve_jax.traces import (
-    load_trace,
-    sample_trace_path,
-    scale_lengths,
-    with_arrivals,
-)
+from serve_jax.__main__ import main as serve_jax_main
+from serve_jax.cli import main
+from serve_jax.metrics import RequestRecord, Slo, format_table, request_latencies, summarize
 
 
 def test_summary_by_hand():
@@ -35,28 +31,19 @@ def test_summary_by_hand():
     assert "Mean TTFT (ms):" in table and "P99 ITL (ms):" in table
 
 
-def test_trace_reader_and_transforms(tmp_path):
-    rows = load_trace(sample_trace_path("conv"), limit=20)
-    assert len(rows) == 20 and rows[0].arrival_s == 0.0
-    assert all(b.arrival_s >= a.arrival_s for a, b in zip(rows, rows[1:]))
-    assert rows[0].prompt_tokens == 374 and rows[0].output_tokens == 44
-    scaled = scale_lengths(rows, 0.1, max_prompt=20, max_output=5)
-    assert max(r.prompt_tokens for r in scaled) <= 20 and max(r.output_tokens for r in scaled) <= 5
-    poisson = with_arrivals(rows, rate=10.0, seed=1)
-    gaps = [b.arrival_s - a.arrival_s for a, b in zip(poisson, poisson[1:])]
-    assert all(g >= 0 for g in gaps) and 0.01 < sum(gaps) / len(gaps) < 1.0
-    bad = tmp_path / "bad.csv"
-    bad.write_text("TIMESTAMP,ContextTokens\n1,2\n")
-    with pytest.raises(ValueError, match="GeneratedTokens"):
-        load_trace(bad)
-    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,two,3\n")
-    with pytest.raises(ValueError, match="bad.csv:2"):
-        load_trace(bad)
+def test_per_request_latencies_are_what_the_summary_aggregates():
+    a = RequestRecord(0.0, 0.5, (0.5, 0.6, 0.8), 0.8, 10, 3)
+    b = RequestRecord(1.0, 1.1, (1.1,), 1.1, 4, 1)
+    lat = request_latencies([a, b])
+    assert lat["ttft"].tolist() == pytest.approx([500.0, 100.0])
+    assert lat["tpot"].tolist() == pytest.approx([150.0])
+    assert lat["itl"].tolist() == pytest.approx([100.0, 200.0])
+    assert lat["e2el"].tolist() == pytest.approx([800.0, 100.0])
+    s = summarize([a, b], duration=2.0, slo=Slo(ttft_ms=200, tpot_ms=1000))
+    assert s["slo_met"] == 1 and s["tpot_ms"]["p99"] == pytest.approx(150.0)
 
 
 def test_replay_command_on_tiny_config(tmp_path, capsys, monkeypatch):
-    from serve_jax.cli import main
-
     monkeypatch.setenv("SERVE_JAX_CACHE_DIR", "")  # no persistent XLA cache from a test
 
     out = tmp_path / "replay.json"
@@ -84,4 +71,5 @@ def test_replay_command_on_tiny_config(tmp_path, capsys, monkeypatch):
     summary = json.loads(out.read_text())["summary"]
     assert summary["completed"] == 6 and summary["failed"] == 0
     assert summary["engine"]["free_device_blocks"] == 16
-    assert main(["replay", "--config", "tiny_cpu", "no_such_key=1"]) == 2
+    assert serve_jax_main(["replay", "--config", "tiny_cpu", "no_such_key=1"]) == 2
+    assert "not a field of EngineConfig" in capsys.readouterr().err

@@ -24,9 +24,10 @@ def test_simulate_writes_rows_and_png(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert [r["policy"] for r in data] == ["fcfs_last", "predictive"]
     for r in data:
-        for key in ("policy", "preemptions", "cascades", "p99_tpot_s", "p99_ttft_s",
+        for key in ("policy", "preemptions", "cascades", "p99_tpot_ms", "p99_ttft_ms",
                     "throughput_tok_s", "completed", "submitted"):  # fmt: skip
             assert key in r
+        assert r["tpot_ms"]["p99"] == r["p99_tpot_ms"] > 0  # serve_jax.metrics, in ms
         assert r["completed"] == r["submitted"] == 12
     assert "vs_fcfs_last" in data[1]
     assert (tmp_path / "out.png").stat().st_size > 10_000

@@ -1,4 +1,5 @@
-"""Workload generators: seeding, length mixtures, arrivals, multi-turn growth, traces."""
+"""Workloads: generators (seeding, length mixtures, arrivals, multi-turn growth), traces, and the
+one builder that replay, bench and simulate share."""
 
 from __future__ import annotations
 
@@ -6,12 +7,18 @@ import numpy as np
 import pytest
 
 from serve_jax.workloads import (
-    TRACE_DIR,
+    WorkloadConfig,
     agentic_workload,
+    build_workload,
     gamma_arrivals,
-    make_workload,
+    load_trace,
     reasoning_workload,
+    trace_dir,
 )
+
+
+def make_workload(name, **kw):
+    return build_workload(WorkloadConfig(name=name, **kw))
 
 
 def test_reasoning_is_seeded_and_bimodal():
@@ -27,12 +34,27 @@ def test_reasoning_is_seeded_and_bimodal():
     assert frac_long == pytest.approx(0.4, abs=0.1)
 
 
-@pytest.mark.parametrize("cv", [1.0, 3.0])
-def test_gamma_arrivals_rate_and_burstiness(cv):
-    t = gamma_arrivals(np.random.default_rng(0), rate=2.0, duration_s=5000, burstiness=cv)
+@pytest.mark.parametrize("shape", [1.0, 1 / 9])
+def test_gamma_arrivals_rate_and_burstiness(shape):
+    """burstiness is the gamma shape (vLLM's meaning): CV = 1 / sqrt(burstiness)."""
+    t = gamma_arrivals(np.random.default_rng(0), rate=2.0, duration_s=5000, burstiness=shape)
     assert len(t) / 5000 == pytest.approx(2.0, rel=0.1)
     gaps = np.diff(t)
-    assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.15)
+    assert gaps.std() / gaps.mean() == pytest.approx(shape**-0.5, rel=0.15)
+
+
+def test_synthetic_and_trace_arrivals_share_one_burstiness():
+    """The same --burstiness (the gamma shape) draws a generator's arrivals and a trace's."""
+    shape, rate = 0.25, 2.0
+    trace = make_workload("conv", rate=rate, burstiness=shape, num_requests=50, seed=1)
+    gaps = np.diff([r.arrival_time for r in trace.requests])
+    expected = np.random.default_rng(1).gamma(shape, 1 / (rate * shape), size=50)[:-1]
+    np.testing.assert_allclose(gaps, expected, rtol=1e-9, atol=1e-9)
+    t = gamma_arrivals(np.random.default_rng(1), rate, 1000.0, burstiness=shape)
+    expected = np.cumsum(np.random.default_rng(1).gamma(shape, 1 / (rate * shape), size=len(t)))
+    np.testing.assert_allclose(t, expected, rtol=1e-9)
+    with pytest.raises(ValueError, match="give a rate"):
+        make_workload("conv", burstiness=0.5)
 
 
 def test_rate_scale_speeds_arrivals_up():
@@ -68,6 +90,8 @@ def test_unknown_workload_is_an_error():
         make_workload("nope")
     with pytest.raises(ValueError, match="rate_scale"):
         make_workload("reasoning", duration_s=10, rate_scale=0)
+    with pytest.raises(ValueError, match="skip applies to traces"):
+        make_workload("reasoning", duration_s=10, skip=3)
 
 
 def test_azure_csv_path(tmp_path):
@@ -86,9 +110,44 @@ def test_azure_csv_path(tmp_path):
     )
     with pytest.raises(FileNotFoundError):
         make_workload(str(tmp_path / "missing.csv"))
+    assert [r.request_id for r in load_trace(csv, skip=1).requests] == ["a1", "a2"]
+    clipped = make_workload(str(csv), token_scale=0.5, max_input_len=100, max_output_len=30)
+    assert [(r.prompt_len, r.output_len) for r in clipped.requests] == [(100, 22), (100, 30),
+                                                                      (100, 28)]  # fmt: skip
 
 
-@pytest.mark.skipif(not (TRACE_DIR / "azure_llm_conv_2023.csv").exists(), reason="no ../shared")
+def test_sample_traces_ship_with_the_package():
+    wl = load_trace("conv", limit=20)
+    assert len(wl.requests) == 20 and wl.requests[0].arrival_time == 0.0
+    times = [r.arrival_time for r in wl.requests]
+    assert times == sorted(times)
+    assert (wl.requests[0].prompt_len, wl.requests[0].output_len) == (374, 44)
+    assert len(load_trace("code", limit=5).requests) == 5
+    fixed = make_workload("conv", num_requests=30, rate=float("inf"))
+    assert all(r.arrival_time == 0.0 for r in fixed.requests)
+
+
+def test_a_file_that_is_not_a_trace_names_the_file_not_its_contents(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens\n1,2\n")
+    with pytest.raises(ValueError, match="GeneratedTokens"):
+        load_trace(bad)
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,two,3\n")
+    with pytest.raises(ValueError, match="bad.csv:2"):
+        load_trace(bad)
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nsecret-text,2,3\n")
+    with pytest.raises(ValueError, match="bad.csv:2: bad TIMESTAMP") as e:
+        load_trace(bad)
+    assert "secret" not in str(e.value)
+    bad.write_bytes(b"\xff\xfe\x00secret")
+    with pytest.raises(ValueError, match="not a CSV trace|missing column") as e:
+        load_trace(bad)
+    assert "secret" not in str(e.value)
+
+
+@pytest.mark.skipif(
+    not (trace_dir() / "azure_llm_conv_2023.csv").exists(), reason="no ../shared/traces"
+)
 def test_azure_conv_trace_from_shared_traces():
     wl = make_workload("azure-conv", duration_s=60)
     assert len(wl.requests) == 191  # the first minute of the trace

@@ -1,0 +1,118 @@
+"""The flags every serve command shares, with one name and one meaning each.
+
+``replay``, ``bench`` and ``simulate`` pick their requests with the same workload flags (they
+fill a `serve_jax.workloads.WorkloadConfig`), and state their SLOs in milliseconds with the same
+two flags. vLLM's names and meanings where vLLM has the flag (``--burstiness`` is the gamma
+shape of the inter-arrival times, ``--num-requests``, ``--seed``). Everything else a command runs
+with is its config dataclass: ``--config <preset or .yaml>`` plus ``key=value`` overrides, listed
+by ``--help`` (`tapas_jax.commands.command_parser`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from serve_jax.workloads import WORKLOAD_NAMES, WorkloadConfig
+
+__all__ = ["add_workload_args", "workload_config", "add_slo_args", "write_json"]
+
+
+def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadConfig) -> None:
+    """Adds the workload flags (defaults from ``defaults``) to a command's parser."""
+    g = p.add_argument_group("workload (the same flags for replay, bench and simulate)")
+    g.add_argument(
+        "--workload",
+        "--trace",
+        dest="workload",
+        default=defaults.name,
+        metavar="NAME",
+        help=f"{', '.join(WORKLOAD_NAMES)}, or an Azure-format CSV path "
+        f"(TIMESTAMP, ContextTokens, GeneratedTokens); default {defaults.name}",
+    )
+    g.add_argument(
+        "--num-requests",
+        type=int,
+        default=defaults.num_requests,
+        help=f"keep the first N requests (default {defaults.num_requests or 'all'})",
+    )
+    g.add_argument("--skip", type=int, default=defaults.skip, help="trace rows skipped first")
+    g.add_argument(
+        "--duration-s",
+        type=float,
+        default=defaults.duration_s,
+        help="span of arrivals: a trace keeps its first seconds, a generator draws over it "
+        "(default: a trace's whole length, one hour for a generator)",
+    )
+    g.add_argument(
+        "--rate",
+        type=float,
+        default=defaults.rate,
+        help="arrival rate req/s (agentic: sessions/s), a gamma process; a trace's timestamps "
+        "are replaced (default: a trace keeps its own, generators draw 0.05/s)",
+    )
+    g.add_argument(
+        "--burstiness",
+        type=float,
+        default=defaults.burstiness,
+        help="gamma shape of the inter-arrival times: 1 Poisson, < 1 burstier (vLLM's meaning; "
+        "coefficient of variation 1/sqrt(burstiness))",
+    )
+    g.add_argument(
+        "--rate-scale",
+        type=float,
+        default=defaults.rate_scale,
+        help="arrivals this many times faster (follow-up turns' think times too)",
+    )
+    g.add_argument(
+        "--token-scale",
+        type=float,
+        default=defaults.token_scale,
+        help="multiply prompt and output lengths by this",
+    )
+    g.add_argument("--max-input-len", type=int, default=defaults.max_input_len, help="clip prompts")
+    g.add_argument(
+        "--max-output-len", type=int, default=defaults.max_output_len, help="clip outputs"
+    )
+    g.add_argument(
+        "--seed", type=int, default=defaults.seed, help="seed of generators, arrivals, prompts"
+    )
+
+
+def workload_config(args: argparse.Namespace) -> WorkloadConfig:
+    """The `WorkloadConfig` of parsed workload flags."""
+    return WorkloadConfig(
+        name=args.workload,
+        num_requests=args.num_requests,
+        skip=args.skip,
+        duration_s=args.duration_s,
+        rate=args.rate,
+        burstiness=args.burstiness,
+        rate_scale=args.rate_scale,
+        token_scale=args.token_scale,
+        max_input_len=args.max_input_len,
+        max_output_len=args.max_output_len,
+        seed=args.seed,
+    )
+
+
+def add_slo_args(p: argparse.ArgumentParser, ttft_ms: float | None, tpot_ms: float | None) -> None:
+    """``--slo-ttft-ms`` and ``--slo-tpot-ms``: the objectives of goodput, in milliseconds."""
+    p.add_argument(
+        "--slo-ttft-ms", type=float, default=ttft_ms, help=f"TTFT objective, ms (default {ttft_ms})"
+    )
+    p.add_argument(
+        "--slo-tpot-ms", type=float, default=tpot_ms, help=f"TPOT objective, ms (default {tpot_ms})"
+    )
+
+
+def write_json(path: str | Path | None, payload: Any) -> None:
+    """Writes ``payload`` as JSON at ``path`` (parents created) and says so; no-op for None."""
+    if not path:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=float))
+    print(f"wrote {path}")
