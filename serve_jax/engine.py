@@ -8,24 +8,34 @@
         for out in engine.step():       # RequestOutput per request that got tokens
             print(out.request_id, out.new_text, out.finished)
 
-`Engine.step` runs ``schedule -> execute -> update_from_output`` once, then turns sampled ids into
-text, applies stop strings, and returns what is new. It is single-threaded; the HTTP server
-drives it from one background thread (`serve_jax.server.EngineLoop`). Time comes from an
-injectable clock so metrics can be checked in tests.
+`Engine` is `serve_jax.core.EngineCore` (the one ``schedule -> execute -> update_from_output``
+loop, shared with the simulator) plus a tokenizer, a detokenizer and text: `Engine.step` runs one
+core step, then turns sampled ids into text, applies stop strings, and returns what is new. The
+executor is the JAX one (`serve_jax.executor.JaxExecutor`, built from the config) unless one is
+passed in (``executor=``, e.g. the simulator's). It is single-threaded; the HTTP server drives it
+from one background thread (`serve_jax.server.EngineLoop`). Time comes from an injectable clock
+so metrics can be checked in tests.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 import time
 from collections.abc import Callable, Sequence
 
+import jax
+
 from serve_jax.config import EngineConfig
+from serve_jax.core import EngineCore, StepOutput
+from serve_jax.executor import JaxExecutor
+from serve_jax.model import init_model, load_safetensors
+from serve_jax.model_config import get_model_config
+from serve_jax.preemption import get_policy
 from serve_jax.sampling import SamplingParams
 from serve_jax.scheduler import (
     CostHints,
+    Executor,
     FcfsLastPolicy,
     PreemptMode,
     Request,
@@ -33,6 +43,9 @@ from serve_jax.scheduler import (
     Scheduler,
     VictimPolicy,
 )
+from serve_jax.tokenizer import load_tokenizer
+from tapas_jax.hardware import profile_for_device
+from tapas_jax.mesh import make_mesh
 
 __all__ = ["Engine", "RequestOutput", "RequestMetrics", "resolve_policy", "MeasuredCostHints"]
 
@@ -105,9 +118,16 @@ class MeasuredCostHints(CostHints):
     def decode_seconds(self, batch_size: int, context_tokens: int) -> float:
         return self.decode_base + self.per_decode_seq * batch_size
 
+    def observe_step(self, out: StepOutput) -> None:
+        """`serve_jax.core.StepObserver`: fits on a step with a measured duration."""
+        seconds = out.executor_output.step_seconds
+        if seconds is not None:
+            plan = out.scheduler_output
+            self.observe(sum(c.num_tokens for c in plan.prefills), len(plan.decodes), seconds)
+
 
 def resolve_policy(name: str, mode: str = "recompute") -> VictimPolicy:
-    """A victim policy by name: ``fcfs_last`` always; others via ``serve_jax.preemption``.
+    """A victim policy by name; ``mode`` is the preemption mode of ``fcfs_last``.
 
     Raises:
       ValueError: an unknown policy or mode.
@@ -118,10 +138,6 @@ def resolve_policy(name: str, mode: str = "recompute") -> VictimPolicy:
         raise ValueError(f"preempt_mode must be 'recompute' or 'offload', got {mode!r}") from None
     if name == "fcfs_last":
         return FcfsLastPolicy(preempt_mode)
-    if importlib.util.find_spec("serve_jax.preemption") is None:
-        raise ValueError(f"unknown policy {name!r}; only 'fcfs_last' is available")
-    from serve_jax.preemption import get_policy
-
     return get_policy(name)
 
 
@@ -143,6 +159,10 @@ class Engine:
       tokenizer: a tokenizer instead of the configured one.
       policy: a victim policy instead of the configured one.
       clock: seconds since some origin; default ``time.monotonic``.
+      executor: an executor instead of the JAX one (then no model is built: the model's
+        shape comes from the config's preset).
+      costs: the policy's cost hints (default: `MeasuredCostHints` fitted online on step times,
+        starting from the host link of the device JAX runs on).
     """
 
     def __init__(
@@ -153,23 +173,24 @@ class Engine:
         tokenizer=None,
         policy: VictimPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        executor: Executor | None = None,
+        costs: CostHints | None = None,
     ):
-        from serve_jax.executor import JaxExecutor
-        from serve_jax.model import init_model, load_safetensors
-        from serve_jax.model_config import get_model_config
-        from serve_jax.tokenizer import load_tokenizer
-
         self.config = config or EngineConfig()
         mc = self.config.model
         if model is None:
             overrides = {"dtype": mc.dtype}
             if mc.max_seq_len:
                 overrides["max_seq_len"] = mc.max_seq_len
-            model = init_model(get_model_config(mc.preset, **overrides), mc.seed)
-            if mc.checkpoint:
-                load_safetensors(model, mc.checkpoint)
+            model_config = get_model_config(mc.preset, **overrides)
+            if executor is None:
+                model = init_model(model_config, mc.seed)
+                if mc.checkpoint:
+                    load_safetensors(model, mc.checkpoint)
+        else:
+            model_config = model.cfg
         self.model = model
-        self.model_config = model.cfg
+        self.model_config = model_config
         self.tokenizer = tokenizer or load_tokenizer(mc.tokenizer)
         if self.tokenizer.vocab_size > self.model_config.vocab_size:
             raise ValueError(
@@ -178,14 +199,12 @@ class Engine:
             )
         cc, sc = self.config.cache, self.config.scheduler
         self.policy = policy or resolve_policy(sc.policy, sc.preempt_mode)
-        import jax
-
-        from tapas_jax.hardware import get_profile
-
-        kind = jax.default_backend()
-        link = get_profile({"gpu": "h100", "tpu": "tpu-v5e"}.get(kind, "cpu")).host_link_bandwidth
-        self.costs = MeasuredCostHints(link, cc.block_size * self.model_config.kv_bytes_per_token())
-        self.scheduler = Scheduler(
+        if costs is None:
+            hw = profile_for_device(jax.default_backend(), jax.devices()[0].device_kind)
+            block_bytes = cc.block_size * self.model_config.kv_bytes_per_token()
+            costs = MeasuredCostHints(hw.host_link_bandwidth, block_bytes)
+        self.costs = costs
+        scheduler = Scheduler(
             cc.num_device_blocks,
             cc.num_host_blocks,
             block_size=cc.block_size,
@@ -195,25 +214,36 @@ class Engine:
             costs=self.costs,
             max_model_len=self.model_config.max_seq_len,
         )
-        self.executor = JaxExecutor(
-            model,
-            cc.num_device_blocks,
-            cc.block_size,
-            use_host_tier=cc.num_host_blocks > 0,
-            min_batch=self.config.executor.min_batch,
-            prefill_rows=self.config.executor.prefill_rows,
-            min_chunk=self.config.executor.min_chunk,
-            min_table_blocks=self.config.executor.min_table_blocks,
-            mesh=_make_mesh(self.config.executor.mesh),
-            plan_memory_limit_bytes=self.config.executor.plan_memory_limit_bytes,
-        )
+        built = executor is None
+        if built:
+            ec = self.config.executor
+            executor = JaxExecutor(
+                model,
+                cc.num_device_blocks,
+                cc.block_size,
+                use_host_tier=cc.num_host_blocks > 0,
+                min_batch=ec.min_batch,
+                prefill_rows=ec.prefill_rows,
+                min_chunk=ec.min_chunk,
+                min_table_blocks=ec.min_table_blocks,
+                mesh=_make_mesh(ec.mesh),
+                plan_memory_limit_bytes=ec.plan_memory_limit_bytes,
+            )
+        observers = [costs.observe_step] if isinstance(costs, MeasuredCostHints) else []
+        self.core = EngineCore(scheduler, executor, clock, observers)
+        self.scheduler = scheduler
+        self.executor = executor
         self.clock = clock
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.num_generated_tokens = 0
-        self.num_steps = 0
-        if self.config.executor.warmup:
+        if built and self.config.executor.warmup:
             self.warmup()
+
+    @property
+    def num_steps(self) -> int:
+        """Executed steps so far."""
+        return self.core.num_steps
 
     def warmup(self) -> int:
         """Compiles the executor's step shapes now (instead of on first use); returns count."""
@@ -291,30 +321,18 @@ class Engine:
 
     # ---- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler/executor step; returns outputs of requests that got tokens."""
-        now = self.clock()
-        so = self.scheduler.schedule(now)
-        if so.is_empty and not self.executor_has_copies():
+        """Runs one `EngineCore` step; returns outputs of requests that got tokens."""
+        out = self.core.step()
+        if out is None:
             return []
-        result = self.executor.execute(so)
-        self.num_steps += 1
-        if result.step_seconds is not None:
-            self.costs.observe(
-                sum(c.num_tokens for c in so.prefills), len(so.decodes), result.step_seconds
-            )
-        events = self.scheduler.update_from_output(so, result, self.clock())
         outputs = []
-        for ev in events:
+        for ev in out.events:
             tracked = self._tracked.get(ev.request_id)
             if tracked is None:
                 continue
             self.num_generated_tokens += len(ev.new_token_ids)
             outputs.append(self._output(tracked))
         return outputs
-
-    def executor_has_copies(self) -> bool:
-        host = self.executor.host
-        return host is not None and host.num_in_flight > 0
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         req = tracked.request
@@ -382,10 +400,6 @@ def _make_mesh(spec: str | None):
     """The executor's mesh from a spec like ``model=2`` over the first devices (None: none)."""
     if not spec:
         return None
-    import jax
-
-    from tapas_jax.mesh import make_mesh
-
     try:
         sizes = [int(part.split("=", 1)[1]) for part in spec.split(",")]
     except (IndexError, ValueError):

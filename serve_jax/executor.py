@@ -27,11 +27,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+import tapas_jax
+from serve_jax.attention import context_attention
 from serve_jax.kv_cache import PagedKVView, make_kv_pools
 from serve_jax.model import Decoder
 from serve_jax.offload import HostKVTier
 from serve_jax.sampling import SamplingParams, sample_tokens
 from serve_jax.scheduler import ExecutorOutput, ScheduledChunk, SchedulerOutput
+from tapas_jax.hardware import profile_for_device
 
 __all__ = ["JaxExecutor", "pad_pow2"]
 
@@ -49,9 +52,6 @@ def plan_decoder(
     The planner sees a plain causal forward of ``[batch, seq]`` tokens; the paged step then
     runs with the weights placed by the plan and GSPMD propagates the rest.
     """
-    import tapas_jax
-    from serve_jax.attention import context_attention
-
     graphdef, params = nnx.split(model)
 
     class _NoCache:
@@ -67,14 +67,18 @@ def plan_decoder(
         pos = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
         return m(tokens, pos, _NoCache(pos))
 
-    kind = jax.default_backend()
-    hw = hardware or {"gpu": "h100", "tpu": "tpu-v5e"}.get(kind, "tpu-v5e")
+    if hardware is None:
+        platform = jax.default_backend()
+        # On CPU (tests on simulated devices) plan as for the default TPU, so that the CPU tests
+        # check the plan a TPU would get; on an accelerator, plan for the chip it is.
+        kind = "" if platform == "cpu" else jax.devices()[0].device_kind
+        hardware = profile_for_device("tpu" if platform == "cpu" else platform, kind).name
     return tapas_jax.plan(
         forward,
         params,
         jax.ShapeDtypeStruct((batch, seq), jnp.int32),
         mesh=mesh,
-        hardware=hw,
+        hardware=hardware,
         memory_limit_bytes=memory_limit_bytes,
     )
 

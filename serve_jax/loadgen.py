@@ -1,7 +1,7 @@
-"""Load generation: offline trace replay on the Engine, HTTP load against a server, step timings.
+"""Load generation: HTTP load against a server, and step timings.
 
-* `replay_trace`: feeds a trace to an `Engine` in real time (no HTTP) and returns one
-  `RequestRecord` per request (engine timestamps).
+(Offline trace replay on the Engine is `serve_jax.replay.replay_trace`.)
+
 * `http_bench`: replays a trace against a running server's ``/v1/completions`` with streaming,
   timing each streamed token on the client (what vLLM's ``benchmark_serving`` measures).
 * `decode_step_benchmark` / `offload_overlap_benchmark`: step-time comparisons for BENCHMARKS.md
@@ -18,16 +18,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from serve_jax.metrics import RequestRecord, record_from
+from serve_jax.metrics import RequestRecord
 from serve_jax.workloads import RequestSpec
+from tapas_jax.hardware import get_profile, profile_for_device
 
 __all__ = [
     "synthetic_prompt",
-    "replay_trace",
     "http_bench",
     "decode_step_benchmark",
     "generate_benchmark",
@@ -39,45 +39,6 @@ def synthetic_prompt(n: int, seed: int, low: int = 3, high: int = 259) -> list[i
     """``n`` random token ids in [low, high) (byte-tokenizer ids by default)."""
     rng = np.random.default_rng(seed)
     return [int(x) for x in rng.integers(low, high, size=n)]
-
-
-def replay_trace(
-    engine, trace: Sequence[RequestSpec], seed: int = 0, progress: Callable | None = None
-) -> tuple[list[RequestRecord], float]:
-    """Runs ``trace`` through ``engine`` in real time; returns records and the run's duration.
-
-    Each request is added once the clock passes its arrival time, stamped with that arrival
-    time, so queueing behind a busy step counts in its TTFT.
-    """
-    from serve_jax.sampling import SamplingParams
-
-    clock = engine.clock
-    t0 = clock()
-    pending = sorted(enumerate(trace), key=lambda x: x[1].arrival_time)
-    records: dict[str, RequestRecord] = {}
-    next_i = 0
-    while next_i < len(pending) or engine.has_work():
-        now = clock()
-        while next_i < len(pending) and t0 + pending[next_i][1].arrival_time <= now:
-            idx, r = pending[next_i]
-            params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, seed=idx)
-            engine.add_request(
-                synthetic_prompt(r.prompt_len, seed + idx),
-                params,
-                request_id=f"trace-{idx}",
-                arrival_time=t0 + r.arrival_time,
-            )
-            next_i += 1
-        if not engine.has_work():
-            if next_i < len(pending):
-                time.sleep(max(0.0, t0 + pending[next_i][1].arrival_time - clock()))
-            continue
-        for out in engine.step():
-            if out.finished:
-                records[out.request_id] = record_from(out.metrics)
-                if progress:
-                    progress(len(records))
-    return list(records.values()), clock() - t0
 
 
 async def _one_http_request(
@@ -353,11 +314,10 @@ def decode_step_benchmark(
         t_dense += _time_loop(dense, 1, warmup=0)
     p, d = float(np.median(t_paged)), float(np.median(t_dense))
     # Memory-bandwidth roofline of a decode step: read every weight and the live KV once.
-    from tapas_jax.hardware import get_profile
-
-    profile = get_profile(
-        hardware or {"gpu": "h200", "tpu": "tpu-v5e"}.get(jax.default_backend(), "cpu")
-    )
+    if hardware:
+        profile = get_profile(hardware)
+    else:
+        profile = profile_for_device(jax.default_backend(), jax.devices()[0].device_kind)
     param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     kv_bytes = batch * (context + 1) * cfg.kv_bytes_per_token()
     roofline_s = (param_bytes + kv_bytes) / profile.hbm_bandwidth

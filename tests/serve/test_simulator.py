@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from serve_jax.scheduler import Request
-from serve_jax.simulator import SimConfig, count_cascades, simulate
+from serve_jax.sim_metrics import count_cascades
+from serve_jax.simulator import SimConfig, simulate
 from serve_jax.workloads import RequestSpec, Workload, agentic_workload
 
 # 0.1 GB of KV for a 7B model: 11 blocks of 16 tokens (176 tokens): heavy memory pressure.
@@ -72,15 +73,21 @@ def test_follow_up_turns_arrive_after_their_parent():
     wl = agentic_workload(session_rate=0.5, duration_s=10, mean_turns=3, output_median=20,
                           system_prompt_median=60, tool_tokens_median=20, max_context=170,
                           seed=2)  # fmt: skip
-    seen = {}
+    first_run, finished = {}, {}
 
-    def on_step(step, now, so):
-        for c in so.prefills:
-            seen.setdefault(c.request_id, now)
+    def observer(out):  # a serve_jax.core.StepObserver
+        for c in out.scheduler_output.prefills:
+            first_run.setdefault(c.request_id, out.scheduled_at)
+        for ev in out.events:
+            if ev.finished:
+                finished[ev.request_id] = out.finished_at
 
-    res = simulate(wl, "fcfs_last", TINY, on_step=on_step)
-    assert res.completed == len(wl.requests)
-    assert any(r.parent_id for r in wl.requests)
+    res = simulate(wl, "fcfs_last", TINY, observers=[observer])
+    assert res.completed == len(wl.requests) == len(finished)
+    turns = [r for r in wl.requests if r.parent_id]
+    assert turns
+    for r in turns:
+        assert first_run[r.request_id] >= finished[r.parent_id] + r.think_time
 
 
 def test_count_cascades_by_hand():

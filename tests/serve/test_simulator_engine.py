@@ -1,14 +1,20 @@
-"""The simulator against the real engine: same trace and step times -> same preemptions."""
+"""The simulator against the real engine (same trace and step times -> same preemptions); the
+Engine on the simulated executor; the one trace-replay path."""
 
 from __future__ import annotations
-
-import copy
 
 import numpy as np
 import pytest
 
 from serve_jax.config import load_engine_config
-from serve_jax.simulator import replay_on_engine, simulate, simulator_config_for_engine
+from serve_jax.costmodel import RooflineCostModel
+from serve_jax.crosscheck import replay_on_engine, simulate_replay
+from serve_jax.engine import Engine
+from serve_jax.model_config import get_model_config
+from serve_jax.replay import replay_trace
+from serve_jax.sampling import SamplingParams
+from serve_jax.sim_executor import TOKEN, SimulatedExecutor
+from serve_jax.simulator import simulator_config_for_engine
 from serve_jax.workloads import RequestSpec, Workload
 
 
@@ -30,17 +36,35 @@ def test_same_preemption_sequence_as_the_engine(policy):
     wl = small_trace()
     real = replay_on_engine(cfg, wl, policy)
     assert all(r.num_output_tokens == s.output_len for r, s in zip(real.requests, wl.requests))
-    sim = simulate(
-        wl,
-        policy,
-        simulator_config_for_engine(cfg),
-        step_times=real.step_seconds,
-        costs=copy.deepcopy(real.initial_costs),
-        cost_observations=real.cost_observations,
-    )
+    sim = simulate_replay(wl, policy, simulator_config_for_engine(cfg), real)
     assert sim.completed == len(wl.requests)
     assert sim.steps == len(real.step_seconds)
     sim_events = sorted((t, rid) for _, t, rid, _ in sim.preemption_log)
     if policy == "fcfs_last":
         assert len(real.preemptions) > 0
     assert sim_events == real.preemptions
+
+
+def test_engine_runs_the_simulated_executor():
+    # Engine = EngineCore + text: with executor= it builds no model and no JAX executor.
+    cfg = load_engine_config("tiny_cpu")
+    mc = get_model_config(cfg.model.preset)
+    costs = RooflineCostModel.create(mc, "h100", block_size=cfg.cache.block_size)
+    executor = SimulatedExecutor(costs, {}, emit_stop=False)
+    engine = Engine(cfg, executor=executor, clock=executor.clock)
+    assert engine.model is None and engine.executor is executor
+    outs = engine.generate(["ab", "cde"], SamplingParams(max_tokens=3))
+    assert [o.token_ids for o in outs] == [(TOKEN,) * 3] * 2
+    assert all(o.finish_reason == "length" for o in outs)
+    assert engine.num_steps == executor.steps > 0
+    assert outs[0].metrics.finish_time == pytest.approx(executor.now)
+
+
+def test_replay_trace_in_real_time():
+    cfg = load_engine_config("tiny_cpu")
+    engine = Engine(cfg)
+    trace = small_trace(3).requests
+    run = replay_trace(engine, trace, seed=1)
+    assert len(run.records) == 3 and run.duration > 0
+    assert sorted(r.num_output_tokens for r in run.records) == sorted(s.output_len for s in trace)
+    assert len(run.step_seconds) == len(run.step_starts) == engine.num_steps
