@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .cost import Lowered, build_problem
 from .fold import fold_repeated_blocks, no_folding
-from .graph import Graph, build_graph
+from .graph import INLINED, Graph, build_graph
 from .hardware import HardwareProfile, get_profile
 from .search import solve
 
@@ -233,8 +233,6 @@ class Plan:
 def _constrained(fn: Callable[..., Any], constraints: dict[str, SpecList], mesh):
     """`fn` re-evaluated equation by equation with the planned layouts pinned."""
     from jax.extend import core as jcore
-
-    from .graph import INLINED
 
     pinned: dict[tuple[int, ...], PartitionSpec] = {}
     operands: dict[tuple[int, ...], dict[int, PartitionSpec]] = {}

@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from .cost import Problem
+from .ilp import solve_ilp
 
 __all__ = ["MemoryInfeasibleError", "SearchResult", "eliminate", "solve"]
 
@@ -111,8 +112,6 @@ def _solve_once(prob: Problem, price: float, time_limit: float) -> tuple[np.ndar
     choice = eliminate(prob, price)
     if choice is not None:
         return choice, "dp"
-    from .ilp import solve_ilp
-
     priced = dataclasses.replace(
         prob, compute=[c + price * m for c, m in zip(prob.compute, prob.memory)]
     )
