@@ -14,13 +14,14 @@ written as JSON with a log-scale plot of search time against depth next to it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
 
 from . import zoo
 from .commands import command_parser
-from .config import PlanConfig
+from .config import BenchConfig, load_config, preset_path
 from .cost import build_problem
 from .fold import fold_repeated_blocks, no_folding
 from .graph import build_graph
@@ -30,7 +31,7 @@ from .mesh import parse_mesh_spec
 from .planner import cost_with_param_specs
 from .search import solve
 
-__all__ = ["main", "bench_row"]
+__all__ = ["main", "bench_row", "build_parser", "config_from_args"]
 
 
 def bench_row(
@@ -126,47 +127,73 @@ def _plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
+_FLAGS = {
+    "d_model": int,
+    "heads": int,
+    "seq_len": int,
+    "batch": int,
+    "vocab": int,
+    "mesh": str,
+    "hardware": str,
+    "time_limit": float,
+    "space": str,
+}
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """BenchConfig from a YAML file, then flags, then ``key=value`` overrides."""
+    overrides = [f"{k}={getattr(args, k)}" for k in _FLAGS if getattr(args, k) is not None]
+    if args.layers is not None:
+        try:
+            depths = [int(x) for x in args.layers.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(
+                f"--layers {args.layers!r} is not a comma-separated list of integers"
+            ) from None
+        overrides.append(f"layers=[{','.join(map(str, depths))}]")
+    if args.no_warmup:
+        overrides.append("warmup=false")
+    path = preset_path("tapas", args.config) if args.config else None
+    cfg = load_config(BenchConfig, path, overrides + list(args.overrides))
+    if cfg.space not in ("batch", "full"):
+        raise ValueError(f"space must be batch or full, not {cfg.space!r}")
+    if not cfg.layers:
+        raise ValueError("layers is empty: give at least one depth")
+    return cfg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The bench parser: ``--config``, flags and ``key=value`` overrides of BenchConfig."""
+    p = command_parser(
+        "tapas_jax", "bench", BenchConfig, description=__doc__, example="layers=[2,4]"
+    )
+    p.add_argument("--layers", help="comma-separated depths, e.g. 2,4,8 (same as layers=[2,4,8])")
+    for name, typ in _FLAGS.items():
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, dest=name, type=typ, default=None, help=f"same as {name}=...")
+    p.add_argument("--no-warmup", action="store_true", help="same as warmup=false")
+    p.add_argument("--json", default="bench.json", help="rows as JSON, the plot next to it")
+    return p
+
+
 def main(argv: list[str]) -> int:
-    d = PlanConfig()
-    p = command_parser("tapas_jax", "bench", description=__doc__)
-    p.add_argument("--layers", default="2,4,8,16,24", help="comma-separated depths")
-    p.add_argument("--d-model", type=int, default=d.d_model)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--batch", type=int, default=d.batch)
-    p.add_argument("--vocab", type=int, default=d.vocab)
-    p.add_argument("--mesh", default="data=2,model=4")
-    p.add_argument("--hardware", default="tpu-v5e")
-    p.add_argument("--time-limit", type=float, default=600.0, help="ILP time limit, seconds")
-    p.add_argument(
-        "--space",
-        choices=("batch", "full"),
-        default="batch",
-        help="batch: the data axis only splits the batch (the planner's default); full: every "
-        "mesh axis may split any dimension (Alpa's space)",
-    )
-    p.add_argument(
-        "--no-warmup", action="store_true", help="skip the untimed warm-up row (for tests)"
-    )
-    p.add_argument("--json", default="bench.json")
-    args = p.parse_args(argv[1:])
-    try:
-        depths = [int(x) for x in args.layers.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--layers {args.layers!r} is not a comma-separated list of integers")
-    pairs = [kv.split("=") for kv in args.mesh.split(",")]
-    mesh_axes = parse_mesh_spec(args.mesh, _product(pairs))
+    """Runs the benchmark; ``argv[0]`` is the command name."""
+    args = build_parser().parse_args(argv[1:])
+    cfg = config_from_args(args)
+    depths = list(cfg.layers)
+    pairs = [kv.split("=") for kv in cfg.mesh.split(",")]
+    mesh_axes = parse_mesh_spec(cfg.mesh, _product(pairs))
     dims = {
-        "d_model": args.d_model,
-        "heads": args.heads,
-        "seq_len": args.seq_len,
-        "batch": args.batch,
-        "vocab": args.vocab,
+        "d_model": cfg.d_model,
+        "heads": cfg.heads,
+        "seq_len": cfg.seq_len,
+        "batch": cfg.batch,
+        "vocab": cfg.vocab,
     }
     # Warm up imports and caches once (untimed) so the first row is not charged for them.
-    batch_axis = "data" if args.space == "batch" else None
-    if not args.no_warmup:
-        bench_row(min(depths), dims, mesh_axes, args.hardware, args.time_limit, batch_axis)
+    batch_axis = "data" if cfg.space == "batch" else None
+    if cfg.warmup:
+        bench_row(min(depths), dims, mesh_axes, cfg.hardware, cfg.time_limit, batch_axis)
     rows = []
     head = (
         f"{'layers':>6} {'tapas s':>8} {'ILP s':>8} {'speedup':>8} {'tapas cpu':>9} "
@@ -175,7 +202,7 @@ def main(argv: list[str]) -> int:
     )
     print(head)
     for n in depths:
-        r = bench_row(n, dims, mesh_axes, args.hardware, args.time_limit, batch_axis)
+        r = bench_row(n, dims, mesh_axes, cfg.hardware, cfg.time_limit, batch_axis)
         rows.append(r)
         print(
             f"{n:>6} {r['tapas_seconds']:>8.3f} {r['ilp_seconds']:>8.2f} {r['speedup']:>7.1f}x "
@@ -189,10 +216,10 @@ def main(argv: list[str]) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
         "mesh": mesh_axes,
-        "hardware": args.hardware,
+        "hardware": cfg.hardware,
         "dims": dims,
-        "time_limit": args.time_limit,
-        "space": args.space,
+        "time_limit": cfg.time_limit,
+        "space": cfg.space,
     }
     out.write_text(json.dumps({"rows": rows, "config": meta}, indent=1))
     png = out.with_suffix(".png")

@@ -208,3 +208,32 @@ class PlanConfig:
     """Param and activation dtype of the zoo model (float32, bfloat16)."""
     remat: bool = False
     """Rematerialise each layer in the backward pass (activation checkpointing)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What `python -m tapas_jax bench` compares: the folded search against the integer program."""
+
+    layers: list[int] = dataclasses.field(default_factory=lambda: [2, 4, 8, 16, 24])
+    """GPT depths, one row each."""
+    d_model: int = 256
+    """Hidden width."""
+    heads: int = 8
+    """Attention heads."""
+    seq_len: int = 128
+    """Tokens per example."""
+    batch: int = 8
+    """Global batch size."""
+    vocab: int = 1024
+    """Vocabulary size."""
+    mesh: str = "data=2,model=4"
+    """Mesh spec (an abstract mesh of that many chips; no devices needed)."""
+    hardware: str = "tpu-v5e"
+    """Hardware profile name (see tapas_jax.hardware.PROFILES)."""
+    time_limit: float = 600.0
+    """Time limit of each search, seconds."""
+    space: str = "batch"
+    """batch: the data axis only splits the batch (the planner's default); full: every mesh axis
+    may split any dimension (Alpa's space)."""
+    warmup: bool = True
+    """Run one untimed row first, so the first timed row is not charged for imports and caches."""

@@ -80,3 +80,14 @@ def test_bench_command_writes_rows_and_plot(tmp_path):
     assert row["tapas_cost"] <= row["megatron_cost"] * (1 + 1e-9)
     assert row["tapas_cost"] == pytest.approx(row["ilp_cost"], rel=0.01)
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_bench_config_from_flags_and_overrides():
+    args = bench.build_parser().parse_args(["--layers", "2,4", "--space", "full", "--no-warmup"])
+    cfg = bench.config_from_args(args)
+    assert (cfg.layers, cfg.space, cfg.warmup, cfg.d_model) == ([2, 4], "full", False, 256)
+    args = bench.build_parser().parse_args(["--layers", "2,4", "layers=[3]", "d_model=64"])
+    assert bench.config_from_args(args).layers == [3]
+    for bad in (["--layers", "2,x"], ["space=everything"], ["layers=[]"]):
+        with pytest.raises(ValueError):
+            bench.config_from_args(bench.build_parser().parse_args(bad))
