@@ -89,11 +89,11 @@ def _plot(rows: list[dict], path: Path) -> bool:
     """Writes the search-time plot; False when matplotlib (an optional library) is missing."""
     try:
         import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
     except ImportError:
         return False
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     xs = [r["layers"] for r in rows]
