@@ -242,6 +242,10 @@ def main(argv: list[str]) -> int:
     config = load_sim_config(args)
     wcfg = workload_config(args)
     workload = build_workload(wcfg)
+    if args.engine:  # the engine config decides the model and the memory
+        return _engine_mode(args, config, workload, policies)
+    if any(o.startswith(_ENGINE) for o in args.overrides):
+        raise ValueError("engine.<key>=value overrides need --engine PRESET")
     costs = config.cost_model()
     blocks = config.num_device_blocks or costs.kv_capacity_blocks(config.kv_memory_gb)
     s = workload.summary()
@@ -251,10 +255,6 @@ def main(argv: list[str]) -> int:
         f"{s.get('output_mean', 0):.0f} tokens; {config.model} on {config.hardware}, KV "
         f"{blocks} blocks x {config.block_size} tokens ({blocks * config.block_size} tokens)"
     )
-    if args.engine:
-        return _engine_mode(args, config, workload, policies)
-    if any(o.startswith(_ENGINE) for o in args.overrides):
-        raise ValueError("engine.<key>=value overrides need --engine PRESET")
     results = []
     for name in policies:
         res = simulate(workload, _make_policy(name, args), config)

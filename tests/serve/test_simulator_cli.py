@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from serve_jax.simulate_cli import main
+from serve_jax.simulate_cli import build_parser, load_sim_config, main
+from serve_jax.simulator import SimConfig, simulate
+from serve_jax.workloads import RequestSpec, Workload
 
 
 def test_simulate_writes_rows_and_png(tmp_path, capsys):
@@ -38,3 +40,28 @@ def test_simulate_writes_rows_and_png(tmp_path, capsys):
 def test_unknown_policy_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="unknown policy"):
         main(["simulate", "--workload", "reasoning", "--duration-s", "30", "--policies", "lifo"])
+
+
+def test_the_simulated_server_is_a_config_with_presets_and_overrides(tmp_path):
+    """SimConfig loads like every config: a preset or .yaml path, then flags, then key=value."""
+    parse = build_parser().parse_args
+    assert load_sim_config(parse(["--config", "sim_llama7b_h100"])) == SimConfig()
+    yaml = tmp_path / "sim.yaml"
+    yaml.write_text("hardware: tpu-v5e\nkv_memory_gb: 16\n")
+    cfg = load_sim_config(
+        parse(["--config", str(yaml), "--kv-memory-gb", "4", "max_num_seqs=8", "--vllm-admission",
+               "--slo-tpot-ms", "50"])
+    )  # fmt: skip
+    assert (cfg.hardware, cfg.kv_memory_gb, cfg.max_num_seqs) == ("tpu-v5e", 4.0, 8)
+    assert cfg.no_admission_after_preemption and cfg.slo_tpot_ms == 50.0
+    assert load_sim_config(parse(["--kv-memory-gb", "0"])).kv_memory_gb is None  # HBM left
+    assert load_sim_config(parse(["kv_memory_gb=12", "--kv-memory-gb", "3"])).kv_memory_gb == 12
+
+
+def test_simulated_server_prices_the_model_it_is_given():
+    """One model registry: any ModelConfig preset (and its dtype) prices the simulated steps."""
+    wl = Workload("w", tuple(RequestSpec(f"r{i}", 0.01 * i, 40, 30) for i in range(8)))
+    tiny = simulate(wl, "fcfs_last", SimConfig(model="tiny", kv_memory_gb=0.01))
+    big = simulate(wl, "fcfs_last", SimConfig(model="llama-7b", kv_memory_gb=0.1))
+    assert tiny.completed == big.completed == 8
+    assert tiny.makespan_s < big.makespan_s  # 100k parameters stream faster than 7B
