@@ -149,6 +149,40 @@ def test_tapas_user_errors(argv, needle, capsys):
     assert needle in _one_line_error(capsys, "python -m tapas_jax", argv[0])
 
 
+@pytest.mark.parametrize(
+    "package, argv, needle",
+    [
+        ("serve_jax", ["replay", "--config", "/etc/shadow"], "no preset '/etc/shadow'"),
+        ("serve_jax", ["replay", "--config", "../tapas/gpt_tiny_cpu"], "known presets"),
+        ("serve_jax", ["simulate", "--config", "/etc/shadow"], "no preset '/etc/shadow'"),
+        ("serve_jax", ["replay", "x=!!python/object:os.system"], "YAML tags are not allowed"),
+        ("paragan_jax", ["train", "--config", "/etc/passwd", "--workdir", "w"], "known presets"),
+        ("paragan_jax", ["train", "--config", "../serve/tiny_cpu", "--workdir", "w"], "no preset"),
+        (
+            "serve_jax",
+            ["replay", "--config", "tiny_cpu", "model.checkpoint=/etc/passwd"],
+            "'/etc/passwd' is not a safetensors checkpoint",
+        ),
+        (
+            "serve_jax",
+            ["replay", "--config", "tiny_cpu", "model.tokenizer=/etc/passwd"],
+            "'/etc/passwd' is not a tokenizer.json file",
+        ),
+        (
+            "paragan_jax",
+            ["train", "--config", "digits_cpu", "--steps", "1", "--workdir", "/etc/passwd"],
+            "workdir '/etc/passwd'",
+        ),
+    ],
+)
+def test_user_errors_of_every_package(package, argv, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert dispatch(package, REGISTRIES[package], argv) == 2
+    msg = _one_line_error(capsys, f"python -m {package}", argv[0])
+    assert needle in msg
+    assert "root:" not in msg  # never a line of the file
+
+
 def test_config_file_contents_are_not_echoed(tmp_path, capsys):
     f = tmp_path / "passwd.yaml"
     f.write_text("root:x:0:0:root:/root:/bin/bash\n")
