@@ -23,7 +23,6 @@ KV capacity: a paged cache of ``block_size`` tokens per block holds
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable
 
 from serve_jax.model_config import ModelConfig, get_model_config
@@ -34,7 +33,6 @@ __all__ = [
     "weight_bytes",
     "RooflineCostModel",
     "kv_capacity_blocks",
-    "blocks_for_tokens",
 ]
 
 
@@ -242,8 +240,3 @@ class RooflineCostModel:
             kv_memory_gb=kv_memory_gb,
             memory_utilization=memory_utilization,
         )
-
-
-def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    """Blocks needed to hold ``num_tokens`` tokens."""
-    return math.ceil(max(num_tokens, 0) / block_size)

@@ -22,11 +22,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from serve_jax.attention import context_attention, paged_attention
 from serve_jax.model_config import ModelConfig
 
-__all__ = ["PagedKVView", "DenseKVView", "make_kv_pools", "pool_shape"]
+__all__ = [
+    "PagedKVView",
+    "DenseKVView",
+    "make_kv_pools",
+    "pool_shape",
+    "dense_greedy_generate",
+    "dense_step",
+]
 
 
 def pool_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -132,8 +140,6 @@ def dense_greedy_generate(
     tokens are decoded one at a time. ``max_len`` fixes the cache length and ``min_prefill`` the
     smallest padded prompt length (both only to compile fewer shapes).
     """
-    from flax import nnx
-
     cfg = model.cfg
     n = len(prompt_ids)
     max_len = max_len or n + max_tokens
@@ -159,8 +165,6 @@ def dense_greedy_generate(
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
 def dense_step(graphdef, params, k, v, tokens, positions, valid):
     """Forward of ``tokens`` [B, T] at ``positions`` with a dense cache; returns logits, k, v."""
-    from flax import nnx
-
     m = nnx.merge(graphdef, params)
     view = DenseKVView(k, v, positions, valid)
     logits = m(tokens, positions, view)

@@ -26,9 +26,12 @@ import uuid
 from collections import deque
 from typing import Any, Literal
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field
 
 from serve_jax.config import EngineConfig
@@ -432,9 +435,6 @@ async def _complete(loop: EngineLoop, rid, queue, created, chat, model, request:
 
 
 def _prometheus_text(loop: EngineLoop) -> str:
-    from prometheus_client import CollectorRegistry, generate_latest
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
     stats = loop.engine.stats()
 
     class _Collector:
@@ -481,8 +481,6 @@ def _prometheus_text(loop: EngineLoop) -> str:
 
 def run_server(config: EngineConfig, host: str | None = None, port: int | None = None) -> None:
     """Builds the engine, starts its loop and serves HTTP until interrupted."""
-    import uvicorn
-
     engine = Engine(config)
     loop = EngineLoop(engine)
     loop.start()
