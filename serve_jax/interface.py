@@ -111,18 +111,6 @@ class Request:
         """Prompt plus output tokens so far."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def last_preempted_time(self) -> float | None:
-        return self.preemption_times[-1] if self.preemption_times else None
-
-    @property
-    def last_resumed_time(self) -> float | None:
-        return self.resume_times[-1] if self.resume_times else None
-
 
 class CostHints:
     """Predicted costs a policy may weigh (the engine fits them; the simulator uses a roofline)."""
@@ -265,8 +253,6 @@ class SchedulerOutput:
     """(host block, device block) pairs to copy host -> device before this step's compute."""
     block_tables: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     """Device blocks of each scheduled request (copies; safe to keep)."""
-    finished_request_ids: list[str] = dataclasses.field(default_factory=list)
-    """Requests that ended since the last step (executors drop their per-request state)."""
 
     @property
     def chunks(self) -> list[ScheduledChunk]:

@@ -138,7 +138,6 @@ class Scheduler:
         self.preempted_computed_tokens: dict[str, int] = {}
         """Computed tokens of each request at its latest preemption (what a recompute wastes)."""
         self._admissions = 0
-        self._finished_since_step: list[str] = []
         # Victims of the step being planned, requeued at its end (only while the policy gates).
         self._hold_victims = False
         self._held_waiting: list[Request] = []
@@ -176,7 +175,6 @@ class Scheduler:
         self.blocks.free(request_id)
         req.status = status
         req.finish_time = now
-        self._finished_since_step.append(request_id)
         self.policy.on_finished(req, now)
 
     def has_unfinished(self) -> bool:
@@ -186,10 +184,6 @@ class Scheduler:
     def has_work(self) -> bool:
         """Unfinished requests, or copies still in flight (keep stepping until False)."""
         return bool(self.requests) or self.blocks.has_copies_in_flight()
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.requests)
 
     # ---- scheduling ----------------------------------------------------------------------
     def _view(self, now: float, shortfall: int) -> SchedulerView:
@@ -275,8 +269,6 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         """Plans one step at time ``now``; see the module docstring for the order of decisions."""
         out = SchedulerOutput(step=self.step_count)
-        out.finished_request_ids = self._finished_since_step
-        self._finished_since_step = []
         budget = self.max_num_batched_tokens
         # The admission hook: how many queued requests (offloaded first) this step may take.
         limit = self.policy.admission_limit(self)

@@ -10,8 +10,8 @@ scheduler's in-flight accounting expects. Its clock (`SimulatedExecutor.clock`) 
 simulation's time, which `serve_jax.core.EngineCore` reads.
 
 Requests stop the way the engine stops them: the executor samples `STOP_TOKEN` when a request
-reaches its workload output length (``emit_stop``). `SimRequest` is a `Request` whose token lists
-are cheap to slice; `compact_tokens` keeps only the counts of a finished one (long traces).
+reaches its workload output length (``emit_stop``). `compact_tokens` keeps only the counts of a
+finished request's tokens (long traces).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from serve_jax.costmodel import RooflineCostModel
 from serve_jax.interface import ExecutorOutput, Request, SchedulerOutput
 
-__all__ = ["SimulatedExecutor", "SimRequest", "STOP_TOKEN", "TOKEN", "compact_tokens"]
+__all__ = ["SimulatedExecutor", "STOP_TOKEN", "TOKEN", "compact_tokens"]
 
 STOP_TOKEN = 0
 """What the simulated executor samples to end a request."""
@@ -57,36 +57,6 @@ class _ConstTokens:
 
     def __add__(self, other):
         return list(self) + list(other)
-
-
-class _TokenView:
-    """``prompt + output`` without building the concatenation (sliced by the scheduler)."""
-
-    __slots__ = ("req",)
-
-    def __init__(self, req: Request):
-        self.req = req
-
-    def __len__(self) -> int:
-        return self.req.num_tokens
-
-    def __getitem__(self, s: slice) -> list[int]:
-        p, o = self.req.prompt_token_ids, self.req.output_token_ids
-        n = len(p)
-        start, stop, _ = s.indices(n + len(o))
-        if start >= n:  # a decode: only output tokens
-            return o[start - n : stop - n]
-        head = p[start : min(stop, len(p))] if start < len(p) else []
-        tail = o[max(start - len(p), 0) : max(stop - len(p), 0)] if stop > len(p) else []
-        return list(head) + list(tail)
-
-
-class SimRequest(Request):
-    """A `Request` with a compact prompt: identical scheduling, no per-token list copies."""
-
-    @property
-    def all_token_ids(self) -> _TokenView:  # type: ignore[override]
-        return _TokenView(self)
 
 
 class SimulatedExecutor:
@@ -126,11 +96,6 @@ class SimulatedExecutor:
     def set_time(self, now: float) -> None:
         """Moves the executor's clock forward (idle time between steps)."""
         self.now = max(self.now, now)
-
-    @property
-    def next_copy_completion(self) -> float | None:
-        """When the earliest offload in flight lands, if any."""
-        return self._pending_offloads[0][0] if self._pending_offloads else None
 
     def compute_seconds(self, so: SchedulerOutput) -> float:
         """Roofline time of the step's prefill chunks and decodes."""

@@ -45,7 +45,7 @@ from serve_jax.scheduler import (
     Scheduler,
     VictimPolicy,
 )
-from serve_jax.sim_executor import STOP_TOKEN, TOKEN, SimRequest, SimulatedExecutor, compact_tokens
+from serve_jax.sim_executor import STOP_TOKEN, TOKEN, SimulatedExecutor, compact_tokens
 from serve_jax.sim_metrics import SimMetrics, count_cascades
 from serve_jax.workloads import RequestSpec, Workload
 
@@ -297,7 +297,7 @@ def simulate(
 
     def make_request(spec: RequestSpec, t: float) -> Request:
         limit = capacity - spec.prompt_len
-        return SimRequest(
+        return Request(
             request_id=spec.request_id,
             prompt_token_ids=[TOKEN] * spec.prompt_len,
             max_tokens=output_lens[spec.request_id] if by_max_tokens else limit,
