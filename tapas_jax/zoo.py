@@ -11,6 +11,10 @@ Models: ``gpt`` (unrolled decoder, training step), ``gpt_fwd`` (its forward loss
 (layers stacked and run with `nnx.scan`), ``t5`` (encoder-decoder), ``vit``, ``moe`` (a
 top-1-routed mixture-of-experts feed-forward stack) and ``dcgan`` (a convolutional generator and
 discriminator trained together).
+
+One module of ~500 lines on purpose: the models share the attention, MLP and block modules and
+the entry helpers, and each model is a short definition next to its builder; split by model
+family if it grows further.
 """
 
 from __future__ import annotations

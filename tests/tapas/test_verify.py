@@ -2,11 +2,15 @@
 
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tapas_jax import cli
 from tapas_jax.__main__ import COMMANDS
 from tapas_jax.commands import dispatch
+from tapas_jax.constraints import constrained
 from tapas_jax.search import MemoryInfeasibleError
 from tapas_jax.verification import count_collectives
 
@@ -102,11 +106,6 @@ ENTRY %main {
 
 def test_operand_pins_make_xla_gather_rather_than_all_reduce(mesh_2x4):
     """A contraction the plan prices as gathering both operands compiles to all-gathers."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from tapas_jax.planner import _constrained
 
     def fn(w, x):
         return jnp.dot(x, w)
@@ -119,7 +118,7 @@ def test_operand_pins_make_xla_gather_rather_than_all_reduce(mesh_2x4):
         "unpinned": {"0": [None, None]},
         "pinned": {"0": [None, None], "0@0": [None, None], "0@1": [None, None]},
     }.items():
-        f = jax.jit(_constrained(fn, pins, mesh_2x4), in_shardings=split, out_shardings=out)
+        f = jax.jit(constrained(fn, pins, mesh_2x4), in_shardings=split, out_shardings=out)
         hlo = f.lower(w, x).compile().as_text()
         counts[name] = count_collectives(hlo, 8)[0]
         assert float(f(w, x)[0, 0]) == pytest.approx(256.0)
