@@ -4,8 +4,8 @@ The `Trainer` (`paragan_jax.train`), the multi-process async workers (`paragan_j
 the benchmarks and the scaling check all run their steps through `run_steps`, so they time steps
 the same way:
 
-- the first step compiles: it is waited for and kept out of ``wall_s`` (``compile_s`` is the time
-  until it finished);
+- the first step compiles (and so does a multi-process runner's first exchange): it is waited
+  for and kept out of ``wall_s`` (``compile_s`` is the time until it finished);
 - at most one step is in flight: the host prepares step i+1 while step i runs, but never races
   further ahead, so a loader's wait for input measures input stalls rather than queued device
   work (what the adaptive pipeline reads); ``block_each_step`` waits for every step instead and
@@ -121,13 +121,14 @@ def run_steps(
         if on_step is not None:
             on_step(stats.steps, metrics)
         stop = stats.steps >= steps
-        if stats.steps == 1:  # the first step compiles: keep it out of the timing
+        if stats.steps > 1 and seconds is not None and time.perf_counter() - t0 >= seconds:
+            stop = True
+        stop = runner.end_step(stop)
+        if stats.steps == 1:  # the first iteration compiles (its exchange too): not timed
             jax.block_until_ready(metrics)
             t0 = time.perf_counter()
             stats.compile_s = t0 - t_start
-        elif seconds is not None and time.perf_counter() - t0 >= seconds:
-            stop = True
-        if runner.end_step(stop):
+        if stop:
             break
     jax.block_until_ready(metrics)
     stats.wall_s = time.perf_counter() - t0
