@@ -237,3 +237,11 @@ class BenchConfig:
     may split any dimension (Alpa's space)."""
     warmup: bool = True
     """Run one untimed row first, so the first timed row is not charged for imports and caches."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InfoConfig:
+    """What `python -m tapas_jax info` shows: the devices, a resolved mesh, hardware profiles."""
+
+    mesh: str = "data=-1"
+    """Mesh spec to resolve on the local devices, e.g. data=2,model=4."""

@@ -191,6 +191,30 @@ def test_config_file_contents_are_not_echoed(tmp_path, capsys):
     assert "root" not in msg.replace(str(tmp_path), "") and "passwd.yaml" in msg
 
 
+PUBLIC_COMMANDS = [
+    (package, name)
+    for package, registry in REGISTRIES.items()
+    for name, entry in registry.items()
+    if not Command(*entry).internal
+]
+
+
+@pytest.mark.parametrize("package, command", PUBLIC_COMMANDS)
+def test_every_command_help_lists_its_overrides(package, command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        dispatch(package, REGISTRIES[package], [command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert f"python -m {package} {command}" in out
+    assert "--config" in out and "key=value overrides" in out
+
+
+def test_every_registered_command_has_a_main():
+    for registry in REGISTRIES.values():
+        for entry in registry.values():
+            assert callable(importlib.import_module(Command(*entry).module).main), entry
+
+
 def test_console_scripts_point_at_each_main():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {
