@@ -32,7 +32,7 @@ from tapas_jax.config import ConfigError
 
 from .bench import bench_command
 from .config import TrainConfig, load_train_config
-from .pipeline import PipelineConfig, trainer_batch_iterator_factory
+from .pipeline import trainer_batch_iterator_factory
 from .storage import CongestionEpisodes, EmulatedRemoteStorage
 from .train import Trainer
 
@@ -100,7 +100,7 @@ def _train(argv: list[str]) -> int:
         overrides.append(f"steps={args.steps}")
     cfg = load_train_config(args.config, overrides)
     streams: list = []
-    factory = _pipeline_factory(args.emulate_remote, args.remote_seed, streams)
+    factory = _pipeline_factory(cfg, args.emulate_remote, args.remote_seed, streams)
     trainer = Trainer(
         cfg,
         args.workdir,
@@ -132,8 +132,9 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
-def _pipeline_factory(emulate_remote: bool, remote_seed: int, streams: list):
-    """The Trainer's batch iterator factory for ``--adaptive-pipeline``; records each stream."""
+def _pipeline_factory(cfg, emulate_remote: bool, remote_seed: int, streams: list):
+    """The Trainer's batch iterator factory for ``--adaptive-pipeline`` (settings: the config's
+    ``pipeline`` section); records each stream."""
     wrap = None
     if emulate_remote:
         # Seeded clean/congested periods (means 10 s / 3 s, for the first hour) so the
@@ -143,7 +144,7 @@ def _pipeline_factory(emulate_remote: bool, remote_seed: int, streams: list):
         def wrap(storage):
             return EmulatedRemoteStorage(storage, seed=remote_seed, episodes=episodes)
 
-    inner = trainer_batch_iterator_factory(PipelineConfig(), wrap_storage=wrap)
+    inner = trainer_batch_iterator_factory(cfg.pipeline, wrap_storage=wrap)
 
     def factory(*a, **kw):
         stream = inner(*a, **kw)

@@ -1,9 +1,10 @@
 """Typed configuration of a paragan_jax run: frozen dataclasses loaded from YAML presets.
 
 A run is described by one `TrainConfig` with a section per concern (model, data, optimizers,
-scheme, sharding, checkpoints, evaluation). Presets live in ``paragan_jax/presets/*.yaml`` and are
-loaded with `load_train_config`, which goes through `tapas_jax.config.load_config`: unknown keys
-and wrong types are errors naming the key and the file (or "command line") they came from.
+scheme, sharding, checkpoints, evaluation, input pipeline). Presets live in
+``paragan_jax/presets/*.yaml`` and are loaded with `load_train_config`, which goes through
+`tapas_jax.config.load_config`: unknown keys and wrong types are errors naming the key and the
+file (or "command line") they came from.
 Cross-field checks that OmegaConf cannot express (a resolution that is not a power of two, a batch
 that does not divide the data axis, ...) are done by `validate_config`, before any training step.
 """
@@ -17,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from tapas_jax.config import ConfigError, load_config, preset_path
+
+from .pipeline_control import PipelineConfig
 
 __all__ = [
     "AsyncConfig",
@@ -206,6 +209,10 @@ class TrainConfig:
     """Checkpoints."""
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     """Metrics, samples, logging."""
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    """Input pipeline (`paragan_jax.pipeline`) when training with ``--adaptive-pipeline``: workers,
+    prefetch depth, memory cap and controller; batch size, seed, shuffle and remainder are the
+    trainer's own."""
 
 
 _ARCHS = ("dcgan", "biggan", "mlp")

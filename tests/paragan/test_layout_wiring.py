@@ -82,11 +82,13 @@ def test_bad_layout_names_the_field_and_the_values():
 
 def test_train_rgb_tpu_layout_with_adaptive_pipeline_and_emulated_store(tmp_path, capsys):
     """One tiny run covers both: training steps with the space-to-depth stem, and the CLI's
-    adaptive pipeline (whose batches equal the default loader's: see test_pipeline)."""
+    adaptive pipeline (whose batches equal the default loader's: see test_pipeline), set by the
+    config's ``pipeline`` section."""
     work = tmp_path / "run"
     argv = ["train", "--config", "tiny", "--steps", "3", "--workdir", str(work), "--no-progress"]
     pipe = ["--adaptive-pipeline", "--emulate-remote", "--remote-seed", "1"]
-    rc = cli.main([*argv, *pipe, "model.channels=3", "model.layout=tpu"])
+    over = ["model.channels=3", "model.layout=tpu", "pipeline.memory_cap_bytes=4194304"]
+    rc = cli.main([*argv, *pipe, *over])
     out = capsys.readouterr().out
     assert rc == 0, out
     metrics = next(ln for ln in out.splitlines() if ln.startswith("metrics:"))
@@ -95,6 +97,7 @@ def test_train_rgb_tpu_layout_with_adaptive_pipeline_and_emulated_store(tmp_path
     assert any((work / "checkpoints").iterdir())
     line = next(ln for ln in out.splitlines() if ln.startswith("input pipeline:"))
     assert "workers" in line and "peak buffer" in line and "over 3 batches" in line
+    assert "(cap 4 MiB)" in line  # the override reached the pipeline (default: 256 MiB)
 
 
 def test_emulate_remote_needs_the_pipeline(tmp_path, capsys):
