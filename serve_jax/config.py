@@ -2,6 +2,7 @@
 
 Load with ``load_engine_config("tiny_cpu", ["cache.num_device_blocks=64"])`` (a preset name or a
 YAML path, then dotted overrides); unknown keys are errors naming the key and the file.
+The same folder holds the simulator's presets (`serve_jax.simulator.SimConfig`, ``sim_*.yaml``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class ModelSection:
     """Which model to serve."""
 
     preset: str = "tiny"
-    """Model preset (tiny, small, llama-7b)."""
+    """Model preset of `serve_jax.model_config.PRESETS` (tiny, small, llama-7b, ...)."""
     dtype: str = "float32"
     """Parameter dtype (float32 on CPU, bfloat16 on accelerators)."""
     seed: int = 0
