@@ -9,6 +9,10 @@ COMMANDS = {
     "replay": ("serve_jax.cli", "run the engine offline on a trace and report latency metrics"),
     "bench": ("serve_jax.cli", "load generator: replay a trace against a running server"),
     "simulate": ("serve_jax.simulate_cli", "compare preemption policies in the simulator"),
+    "crosscheck": (
+        "serve_jax.crosscheck_cli",
+        "check the simulator against the real engine, policy by policy",
+    ),
 }
 
 

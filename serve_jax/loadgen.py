@@ -16,13 +16,25 @@ Prompts are random token ids of the trace's length; outputs are forced to the tr
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from serve_jax.config import load_engine_config
+from serve_jax.engine import Engine
+from serve_jax.executor import flat_paged_step
+from serve_jax.kv_cache import DenseKVView, make_kv_pools
 from serve_jax.metrics import RequestRecord
+from serve_jax.model import count_params, init_model
+from serve_jax.model_config import get_model_config
+from serve_jax.offload import HostKVTier
+from serve_jax.sampling import SamplingParams, sample_tokens
 from serve_jax.workloads import RequestSpec
 from tapas_jax.hardware import get_profile, profile_for_device
 
@@ -155,9 +167,6 @@ def generate_benchmark(
     are prefilled a few per step and the requests finish staggered, so more decode steps run
     with part of the batch.
     """
-    from serve_jax.config import load_engine_config
-    from serve_jax.engine import Engine
-    from serve_jax.sampling import SamplingParams
 
     if batch < 1 or context < 1 or new_tokens < 1 or rounds < 1:
         raise ValueError("batch, context, new_tokens and rounds must be >= 1")
@@ -209,10 +218,6 @@ def generate_benchmark(
 def _greedy_paged_decode(graphdef, params, tables):
     """``decode(k_pool, v_pool, position) -> (tokens, k_pool, v_pool)``: one greedy decode step
     of every row of ``tables`` at ``position`` through the executor's own jitted step."""
-    import jax
-    import jax.numpy as jnp
-
-    from serve_jax.executor import flat_paged_step
 
     batch = tables.shape[0]
     leaves, treedef = jax.tree.flatten(params)
@@ -253,16 +258,6 @@ def decode_step_benchmark(
     Both steps embed one token per sequence, run the whole model, write K/V and sample a
     token on device; the paged one reads the context through shuffled block tables.
     """
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from serve_jax.kv_cache import DenseKVView, make_kv_pools
-    from serve_jax.model import count_params, init_model
-    from serve_jax.model_config import get_model_config
-    from serve_jax.sampling import sample_tokens
 
     cfg = get_model_config(preset, max_seq_len=context + steps + 8, dtype=dtype)
     model = init_model(cfg, seed)
@@ -356,14 +351,6 @@ def offload_overlap_benchmark(
     device_put to pinned_host) of pages the running batch does not use, exactly as the
     executor does, and waits for the previous step's copy after dispatching the next step.
     """
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from serve_jax.kv_cache import make_kv_pools
-    from serve_jax.model import init_model
-    from serve_jax.model_config import get_model_config
-    from serve_jax.offload import HostKVTier
 
     cfg = get_model_config(preset, max_seq_len=context + steps + 8)
     model = init_model(cfg, seed)

@@ -53,6 +53,7 @@ __all__ = [
     "PredictivePolicy",
     "POLICY_NAMES",
     "get_policy",
+    "make_policy",
     "predicted_peak_tokens",
 ]
 
@@ -340,6 +341,24 @@ class PredictivePolicy(VictimPolicy):
 def _chain(*queues):
     for q in queues:
         yield from q
+
+
+def make_policy(
+    name: str, gate_quantile: float | None = None, cheap_preemption_steps: float | None = None
+) -> VictimPolicy:
+    """`get_policy` with the command-line options of ``predictive`` (None: its default); the
+    options apply to the ``predictive`` policies only.
+
+    Raises:
+      ValueError: an unknown name or a bad option.
+    """
+    kw: dict[str, Any] = {}
+    if name.strip().lower().startswith("predictive"):
+        if gate_quantile is not None:
+            kw["gate_quantile"] = gate_quantile
+        if cheap_preemption_steps is not None:
+            kw["cheap_preemption_steps"] = cheap_preemption_steps
+    return get_policy(name, **kw)
 
 
 def get_policy(name: str, **kwargs: Any) -> VictimPolicy:

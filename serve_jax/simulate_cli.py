@@ -18,8 +18,8 @@ as a JSON list (keys ``policy``, ``preemptions``, ``cascades``, ``p99_tpot_ms``,
 metrics; latencies in ms, as `serve_jax.metrics` reports them for every command) and a PNG next
 to it with the TPOT CDF of each policy and its cumulative preemptions over time.
 
-``--engine <serve preset>`` also runs each policy on the real engine and checks the simulator
-against it; ``engine.<key>=value`` overrides apply to that engine config.
+The check of the simulator against the real engine is its own command,
+``python -m serve_jax crosscheck`` (`serve_jax.crosscheck_cli`), so this one never loads JAX.
 """
 
 from __future__ import annotations
@@ -30,23 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from serve_jax.cli_args import add_slo_args, add_workload_args, workload_config, write_json
-from serve_jax.config import load_engine_config
-from serve_jax.metrics import record_from, summarize
-from serve_jax.preemption import POLICY_NAMES, get_policy
-from serve_jax.sim_metrics import count_cascades
-from serve_jax.simulator import (
-    SimConfig,
-    SimulationResult,
-    simulate,
-    simulator_config_for_engine,
-)
-from serve_jax.workloads import Workload, WorkloadConfig, build_workload
+from serve_jax.preemption import POLICY_NAMES, make_policy
+from serve_jax.simulator import SimConfig, SimulationResult, simulate
+from serve_jax.workloads import WorkloadConfig, build_workload
 from tapas_jax.commands import command_parser
 from tapas_jax.config import load_config, preset_path
 
 __all__ = ["main", "build_parser", "load_sim_config", "plot_results"]
 
-_ENGINE = "engine."
 _FLAGS = {
     "model": (str, "served model preset (llama-7b, llama-13b, llama3-8b, tiny, small)"),
     "hardware": (str, "chip profile (h100, h200, tpu-v5e, ...)"),
@@ -69,10 +60,6 @@ def build_parser(prog: str = "simulate") -> argparse.ArgumentParser:
         SimConfig,
         description="Compare preemption policies on a workload with the trace-driven simulator.",
         example="kv_memory_gb=16",
-    )
-    p.epilog += (
-        "\n  engine.<key>=value\n      with --engine: an override of the engine config "
-        "(serve_jax.config.EngineConfig), e.g. engine.cache.num_device_blocks=16"
     )
     for name, (typ, text) in _FLAGS.items():
         p.add_argument(
@@ -100,14 +87,6 @@ def build_parser(prog: str = "simulate") -> argparse.ArgumentParser:
         "many decode steps (default 0: never)",
     )
     add_slo_args(p, None, None)
-    p.add_argument(
-        "--engine",
-        default=None,
-        metavar="PRESET",
-        help="also run each policy on the real engine (serve preset or YAML, e.g. tiny_cpu) and "
-        "check that the simulator, fed the engine's step times, preempts the same requests at the "
-        "same steps; lengths are clipped to the model's context",
-    )
     p.add_argument("--json", default=None, help="write the rows here (and a PNG next to it)")
     p.add_argument("--png", default=None, help="PNG path (default: the JSON path with .png)")
     return p
@@ -129,19 +108,13 @@ def load_sim_config(args: argparse.Namespace) -> SimConfig:
         overrides.append(f"slo_ttft_ms={args.slo_ttft_ms}")
     if args.slo_tpot_ms is not None:
         overrides.append(f"slo_tpot_ms={args.slo_tpot_ms}")
-    overrides += [o for o in args.overrides if not o.startswith(_ENGINE)]
+    overrides += args.overrides
     return load_config(SimConfig, path, overrides)
 
 
 def _make_policy(name: str, args: argparse.Namespace):
     """A fresh policy, with the predictive options of the command line."""
-    kw: dict[str, Any] = {}
-    if name.startswith("predictive"):
-        if args.gate_quantile is not None:
-            kw["gate_quantile"] = args.gate_quantile
-        if args.cheap_preemption_steps is not None:
-            kw["cheap_preemption_steps"] = args.cheap_preemption_steps
-    return get_policy(name, **kw)
+    return make_policy(name, args.gate_quantile, args.cheap_preemption_steps)
 
 
 def _fmt(x: Any) -> str:
@@ -238,14 +211,10 @@ def main(argv: list[str]) -> int:
     if not policies:
         raise ValueError("--policies is empty")
     for name in policies:
-        get_policy(name)  # an unknown name fails before any work
+        _make_policy(name, args)  # an unknown name fails before any work
     config = load_sim_config(args)
     wcfg = workload_config(args)
     workload = build_workload(wcfg)
-    if args.engine:  # the engine config decides the model and the memory
-        return _engine_mode(args, config, workload, policies)
-    if any(o.startswith(_ENGINE) for o in args.overrides):
-        raise ValueError("engine.<key>=value overrides need --engine PRESET")
     costs = config.cost_model()
     blocks = config.num_device_blocks or costs.kv_capacity_blocks(config.kv_memory_gb)
     s = workload.summary()
@@ -297,67 +266,3 @@ def main(argv: list[str]) -> int:
         plot_results(results, png, title)
         print(f"wrote {png}")
     return 0
-
-
-def _engine_mode(
-    args: argparse.Namespace, config: SimConfig, workload: Workload, policies: list[str]
-) -> int:
-    """Each policy on the real engine, then the simulator on the engine's step times."""
-    overrides = [o[len(_ENGINE) :] for o in args.overrides if o.startswith(_ENGINE)]
-    cfg = load_engine_config(args.engine, overrides)
-    sim_cfg = simulator_config_for_engine(
-        cfg,
-        cascade_window_s=config.cascade_window_s,
-        slo_ttft_ms=config.slo_ttft_ms,
-        slo_tpot_ms=config.slo_tpot_ms,
-    )
-    limit = min(sim_cfg.max_model_len or 10**9, cfg.cache.num_device_blocks * cfg.cache.block_size)
-    workload = workload.with_token_scale(1.0, max_total=limit)
-    print(
-        f"real engine ({args.engine}, {cfg.cache.num_device_blocks} device blocks x "
-        f"{cfg.cache.block_size}, {cfg.cache.num_host_blocks} host blocks): "
-        f"{len(workload.requests)} requests, {workload.total_output_tokens()} output tokens"
-    )
-    # The JAX engine is imported only here: the simulator's own path never loads JAX.
-    from serve_jax.crosscheck import replay_on_engine, simulate_replay
-
-    # Warm-up: the first steps compile the executor's programs; keep that out of the timings.
-    replay_on_engine(cfg, workload.head(min(4, len(workload.requests))), "fcfs_last")
-    rows = []
-    for name in policies:
-        real = replay_on_engine(cfg, workload, _make_policy(name, args), seed=args.seed)
-        sim = simulate_replay(workload, _make_policy(name, args), sim_cfg, real)
-        sim_events = sorted((t, rid) for _, t, rid, _ in sim.preemption_log)
-        finished = [r for r in real.requests if r.status.finished]
-        makespan = max(r.finish_time or 0.0 for r in real.requests)
-        lat = summarize([record_from(r) for r in finished], makespan if makespan > 0 else None)
-        out_tokens = sum(r.num_output_tokens for r in real.requests)
-        rows.append(
-            {
-                "policy": name,
-                "preemptions": len(real.preemptions),
-                "cascades": count_cascades(real.requests, config.cascade_window_s),
-                "p99_tpot_ms": lat["tpot_ms"]["p99"],
-                "p99_ttft_ms": lat["ttft_ms"]["p99"],
-                "throughput_tok_s": out_tokens / makespan if makespan > 0 else 0.0,
-                "completed": len(finished),
-                "submitted": len(workload.requests),
-                "engine_steps": len(real.step_seconds),
-                "offload_preemptions": real.num_offload_preemptions,
-                "sim_preemptions": sim.preemptions,
-                "same_preemption_sequence": sim_events == real.preemptions,
-                "tpot_ms": lat["tpot_ms"],
-                "ttft_ms": lat["ttft_ms"],
-                "engine": args.engine,
-            }
-        )
-        r = rows[-1]
-        print(
-            f"{name:16s} preemptions {r['preemptions']:5d} (sim {r['sim_preemptions']:5d}, same "
-            f"sequence: {r['same_preemption_sequence']})  p99 TPOT {_fmt(r['p99_tpot_ms'])} ms  "
-            f"p99 TTFT {_fmt(r['p99_ttft_ms'])} ms  {_fmt(r['throughput_tok_s'])} tok/s  "
-            f"{r['completed']}/{r['submitted']} done",
-            flush=True,
-        )
-    write_json(args.json, rows)
-    return 0 if all(r["same_preemption_sequence"] for r in rows) else 1

@@ -3,9 +3,12 @@ Engine on the simulated executor; the one trace-replay path."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
+from serve_jax.__main__ import main as serve_jax_main
 from serve_jax.config import load_engine_config
 from serve_jax.costmodel import RooflineCostModel
 from serve_jax.crosscheck import replay_on_engine, simulate_replay
@@ -68,3 +71,15 @@ def test_replay_trace_in_real_time():
     assert len(run.records) == 3 and run.duration > 0
     assert sorted(r.num_output_tokens for r in run.records) == sorted(s.output_len for s in trace)
     assert len(run.step_seconds) == len(run.step_starts) == engine.num_steps
+
+
+def test_crosscheck_command(tmp_path):
+    out = tmp_path / "check.json"
+    argv = ["crosscheck", "--config", "tiny_cpu", "cache.num_device_blocks=16",
+            "cache.num_host_blocks=0", "--workload", "reasoning", "--num-requests", "6",
+            "--rate-scale", "400", "--token-scale", "0.005", "--policies", "fcfs_last,predictive",
+            "--json", str(out)]  # fmt: skip
+    assert serve_jax_main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [r["policy"] for r in rows] == ["fcfs_last", "predictive"]
+    assert all(r["same_preemption_sequence"] and r["completed"] == 6 for r in rows)

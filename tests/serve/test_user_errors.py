@@ -73,7 +73,7 @@ def test_simulate_user_errors_are_one_line_and_exit_2(capsys, not_a_checkpoint):
         (["--policies", ""], "--policies is empty"),
         (["--policies", "lifo"], "unknown policy 'lifo'"),
         (["kv_memory_gb=oops"], "kv_memory_gb"),
-        (["engine.cache.block_size=4"], "need --engine"),
+        (["engine.cache.block_size=4"], "key 'engine': not a field of SimConfig"),
         (["--config", str(not_a_checkpoint)], "no preset"),
         (["--model", "gpt-9"], "unknown model preset 'gpt-9'"),
     ]:
