@@ -262,10 +262,6 @@ class RemainingLengthPredictor:
         mean = min(max(mean, lo), hi)
         return Prediction(mean, {q: min(max(v, lo), hi) for q, v in zip(levels, qs)})
 
-    def expected_remaining(self, prompt_len: int, generated: int, cap: int | None = None) -> float:
-        """Expected remaining output tokens (the mean of `predict`)."""
-        return self.predict(prompt_len, generated, cap=cap, levels=()).mean
-
 
 class PredictionLog:
     """Records predictions while requests run; scores them when the requests finish.

@@ -4,11 +4,12 @@ This module is a contract shared by the real JAX engine and the trace-driven sim
 imports no JAX and never reads a clock: time is passed in (``schedule(now)``,
 ``update_from_output(out, now)``), which lets a simulator drive it with simulated time.
 
-One engine step (vLLM v1 style)::
+One engine step (vLLM v1 style; `serve_jax.core.EngineCore.step` is the one place that runs it,
+under the JAX engine and the simulator alike)::
 
     out = scheduler.schedule(now)                 # SchedulerOutput: plain data
     result = executor.execute(out)                # ExecutorOutput: sampled tokens, finished copies
-    events = scheduler.update_from_output(result, now)
+    events = scheduler.update_from_output(out, result, now)
 
 `schedule`:
 
