@@ -12,6 +12,15 @@ devices before jax is imported, and ``import paragan_jax`` stays cheap:
 """
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what the lazy exports below resolve to, for type checkers
+    from paragan_jax.config import TrainConfig, load_train_config
+    from paragan_jax.loop import run_steps
+    from paragan_jax.models import build_models
+    from paragan_jax.state import make_train_state
+    from paragan_jax.steps import SyncRunner, make_sync_step
+    from paragan_jax.train import Trainer
 
 _EXPORTS = {
     "TrainConfig": ".config",
@@ -24,7 +33,16 @@ _EXPORTS = {
     "run_steps": ".loop",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [  # the keys of _EXPORTS (a literal list, so tools see the names)
+    "SyncRunner",
+    "TrainConfig",
+    "Trainer",
+    "build_models",
+    "load_train_config",
+    "make_sync_step",
+    "make_train_state",
+    "run_steps",
+]
 
 
 def __getattr__(name):
