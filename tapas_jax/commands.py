@@ -36,11 +36,13 @@ import sys
 import textwrap
 import typing
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from .config import preset_names
 
 __all__ = [
+    "CONSOLE_SCRIPTS",
     "Command",
     "OPTIONAL_MODULES",
     "USER_ERRORS",
@@ -69,6 +71,9 @@ OPTIONAL_MODULES = {
     "libtpu": "tpu",
 }
 """Top-level modules of optional dependencies -> the extra of the distribution installing them."""
+
+CONSOLE_SCRIPTS = {"tapas_jax": "tapas", "serve_jax": "serve-jax", "paragan_jax": "paragan"}
+"""package -> its console script ([project.scripts] in pyproject.toml points at its __main__)."""
 
 _programs: dict[str, str] = {}
 """package -> how the user ran it (``tapas`` or ``python -m tapas_jax``), set by `dispatch`."""
@@ -109,10 +114,10 @@ def program_name(package: str) -> str:
 
 
 def _invoked_as(package: str) -> str:
-    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    if script in ("", "-c", "-m", "__main__.py") or script.endswith(".py"):
-        return f"python -m {package}"
-    return script
+    script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] else ""
+    if script and script == CONSOLE_SCRIPTS.get(package):
+        return script
+    return f"python -m {package}"
 
 
 def error_line(error: BaseException) -> str:

@@ -18,7 +18,7 @@ import pytest
 from paragan_jax.__main__ import COMMANDS as PARAGAN_COMMANDS
 from serve_jax.__main__ import COMMANDS as SERVE_COMMANDS
 from tapas_jax.__main__ import COMMANDS as TAPAS_COMMANDS
-from tapas_jax.commands import Command, dispatch, error_line, version
+from tapas_jax.commands import CONSOLE_SCRIPTS, Command, dispatch, error_line, version
 
 ROOT = Path(__file__).resolve().parent.parent
 REGISTRIES = {
@@ -118,6 +118,16 @@ def test_missing_optional_dependency_names_the_extra(toy_commands, monkeypatch, 
     assert "needs tensorboardX" in msg and "pip install 'jax-parallel-stack[gan]'" in msg
     with pytest.raises(ModuleNotFoundError):  # not an optional dependency: a bug, traceback
         dispatch("toy", toy_commands, ["typo"])
+
+
+def test_program_name_is_the_console_script_or_python_m(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/serve-jax", "nope"])
+    dispatch("serve_jax", SERVE_COMMANDS, ["nope"])
+    assert capsys.readouterr().err.startswith("serve-jax: error: unknown command 'nope'")
+    for argv0 in ("/venv/bin/pytest", "/x/serve_jax/__main__.py", ""):
+        monkeypatch.setattr(sys, "argv", [argv0])
+        dispatch("serve_jax", SERVE_COMMANDS, ["nope"])
+        assert capsys.readouterr().err.startswith("python -m serve_jax: error: unknown command")
 
 
 def test_unknown_command(capsys):
@@ -222,6 +232,7 @@ def test_console_scripts_point_at_each_main():
         "serve-jax": "serve_jax.__main__:main",
         "paragan": "paragan_jax.__main__:main",
     }
+    assert {v.split(".")[0]: k for k, v in scripts.items()} == CONSOLE_SCRIPTS
     for target in scripts.values():
         module, func = target.split(":")
         assert callable(getattr(importlib.import_module(module), func))
