@@ -48,6 +48,7 @@ def setup_logging(verbose: bool) -> None:
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
+        force=True,  # an import may already have logged through the root logger
     )
     logging.getLogger("paragan_jax").setLevel(logging.INFO)
     absl_logging.set_verbosity(absl_logging.WARNING)
