@@ -62,8 +62,8 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
 """Exceptions that are the user's to fix (ConfigError and MeshSpecError are ValueErrors,
 FileNotFoundError is an OSError): reported as one line and exit status 2."""
 
-_SERVE_MODULES = "safetensors tokenizers fastapi pydantic uvicorn httpx prometheus_client"
-_GAN_MODULES = "optax orbax tensorstore sklearn tqdm tensorboardX"
+_SERVE_MODULES = "safetensors tokenizers jinja2 fastapi pydantic uvicorn httpx prometheus_client"
+_GAN_MODULES = "optax orbax tensorstore etils sklearn tqdm tensorboardX"
 OPTIONAL_MODULES = {
     **dict.fromkeys(_SERVE_MODULES.split(), "serve"),
     **dict.fromkeys(_GAN_MODULES.split(), "gan"),

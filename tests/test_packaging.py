@@ -100,6 +100,8 @@ DIST_MODULES = {
     "tqdm": {"tqdm"},
     "tensorboardX": {"tensorboardX"},
     "pillow": {"PIL"},
+    "jinja2": {"jinja2"},
+    "etils": {"etils"},
 }
 EXTRA_OF = {"tapas_jax": None, "serve_jax": "serve", "paragan_jax": "gan"}
 
