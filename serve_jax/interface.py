@@ -91,6 +91,9 @@ class Request:
     finish_time: float | None = None
     predictor_state: Any = None
     """Free for policies and predictors."""
+    cache_salt: str | None = None
+    """Extra key of the prefix cache's first block: only requests with the same salt share
+    cached blocks (the simulator salts each multi-turn session, whose tokens are placeholders)."""
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -216,6 +219,8 @@ class FcfsLastPolicy(VictimPolicy):
 
     def __init__(self, mode: PreemptMode = PreemptMode.RECOMPUTE):
         self.mode = PreemptMode(mode)
+        if self.mode == PreemptMode.OFFLOAD:
+            self.name = "fcfs_last_offload"
 
     def select_victims(self, view: SchedulerView) -> list[tuple[Request, PreemptMode]]:
         if not view.running:
@@ -264,7 +269,11 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.prefills or self.decodes or self.offloads or self.restores)
+        """Nothing to run, copy or preempt (a step that only preempted still counts: its victims
+        wait for the next step, which must run)."""
+        return not (
+            self.prefills or self.decodes or self.offloads or self.restores or self.preemptions
+        )
 
 
 @dataclasses.dataclass

@@ -6,14 +6,25 @@ what a block holds (``block_size`` tokens of K and V for every layer) is the exe
 
 Invariants (checked by `KVBlockManager.check_invariants`, exercised by randomized tests):
 
-* every block of a pool is in exactly one state: free (in the free queue), owned by exactly one
-  request (and listed exactly once in that request's table), or *in flight*: freed by its owner
-  while a copy from or to it is still running, and returned to the free queue only when the
-  executor reports the copy complete;
+* every block of a pool is in exactly one state: free (in the free queue), held by one or more
+  requests (its reference count is the number of request tables listing it, each at most once),
+  or *in flight*: freed by its last holder while a copy from or to it is still running, and
+  returned to the free queue only when the executor reports the copy complete;
 * a block is never handed out while a copy from it is in flight (so an offload never reads a page
   that a new request is already overwriting, and a restore never reads a host page being reused);
 * after every request has finished or been aborted and every copy has completed, both pools are
   entirely free (nothing leaked).
+
+Automatic prefix caching (vLLM V1's design, on by default): a device block becomes *cached*
+once it is full and its KV computed; its key is a chained hash of (the previous block's key,
+its token ids, extra keys: the request's ``cache_salt`` on the first block), so a key names a
+whole prefix. Cached blocks stay findable while held and after they are freed; the free queue
+is least-recently-freed first (a request's blocks are freed last block first), and allocating
+a cached free block evicts it. An admission (first, after a recompute preemption, or a new turn
+that re-sends a context) takes the longest run of cached blocks at the start of its tokens,
+touching them (shared, reference-counted) and skipping their prefill. Shared blocks are never
+written: a request writes only positions past its computed tokens, which lie in blocks of its
+own.
 
 Offload of a request moves its device table to freshly allocated host blocks: the device blocks
 become in-flight (released when the copy completes), the host blocks are owned by the request.
@@ -23,14 +34,39 @@ in-flight until the executor reports the restore complete.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["BlockPool", "KVBlockManager", "BlockAccountingError", "blocks_for_tokens"]
+if TYPE_CHECKING:
+    from serve_jax.interface import Request
+
+__all__ = [
+    "BlockPool",
+    "KVBlockManager",
+    "BlockAccountingError",
+    "blocks_for_tokens",
+    "hash_block_tokens",
+]
 
 
 class BlockAccountingError(RuntimeError):
     """An operation that would break the block invariants (double free, over-allocation, ...)."""
+
+
+def hash_block_tokens(
+    parent: bytes | None, token_ids: Sequence[int], extra: object = None
+) -> bytes:
+    """The prefix-cache key of one full block: a 128-bit BLAKE2 digest of (parent block's key,
+    the block's token ids, extra keys such as a cache salt), so equal keys mean equal prefixes.
+    """
+    h = hashlib.blake2b(b"\x00" if parent is None else b"\x01" + parent, digest_size=16)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra is not None:
+        h.update(repr(extra).encode())
+    return h.digest()
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -41,7 +77,13 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
 
 
 class BlockPool:
-    """A fixed set of blocks with a FIFO free queue, owners and in-flight copies.
+    """A fixed set of reference-counted blocks with an LRU free queue and in-flight copies.
+
+    With prefix caching, a full block may be registered under its content hash
+    (`hash_block_tokens`): it stays findable while it is owned and after it is freed, until
+    `allocate` takes it from the front of the free queue (least recently freed first) and
+    evicts it. A cached block found again is *touched*: its reference count goes up and it
+    leaves the free queue.
 
     Args:
       num_blocks: number of blocks in the pool (may be 0 for an absent host tier).
@@ -53,16 +95,19 @@ class BlockPool:
             raise ValueError(f"{name} pool: num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.name = name
-        self._free: deque[int] = deque(range(num_blocks))
-        self._owner: dict[int, str] = {}
+        # Insertion-ordered: the front is the next block to allocate (and evict).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs: dict[int, int] = {}
         # block -> number of copies in flight touching it
         self._pins: dict[int, int] = {}
-        # blocks freed by their owner while pinned: returned to the free queue on last unpin
+        # blocks freed by their last owner while pinned: returned to the free queue on last unpin
         self._released_when_unpinned: set[int] = set()
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
 
     @property
     def num_free(self) -> int:
-        """Blocks that can be allocated now."""
+        """Blocks that can be allocated now (cached free blocks included)."""
         return len(self._free)
 
     @property
@@ -70,44 +115,76 @@ class BlockPool:
         """Blocks with no owner that return to the free queue when their copies complete."""
         return len(self._released_when_unpinned)
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered under a content hash (owned or free)."""
+        return len(self._hash_of)
+
     def is_pinned(self, block: int) -> bool:
         """Whether a copy from or to ``block`` is in flight."""
         return self._pins.get(block, 0) > 0
 
-    def owner(self, block: int) -> str | None:
-        """The request owning ``block``, or None."""
-        return self._owner.get(block)
+    def ref_count(self, block: int) -> int:
+        """How many request tables hold ``block``."""
+        return self._refs.get(block, 0)
 
     def allocate(self, request_id: str, n: int) -> list[int]:
-        """Takes ``n`` blocks from the free queue for ``request_id``."""
-        if n > len(self._free):
+        """Takes ``n`` blocks from the front of the free queue for ``request_id``."""
+        free = self._free
+        if n > len(free):
             raise BlockAccountingError(
                 f"{self.name} pool: asked for {n} blocks for {request_id!r}, only "
-                f"{len(self._free)} free"
+                f"{len(free)} free"
             )
-        out = [self._free.popleft() for _ in range(n)]
-        for b in out:
-            self._owner[b] = request_id
+        out = []
+        refs, hash_of = self._refs, self._hash_of
+        for _ in range(n):
+            b = free.popitem(last=False)[0]
+            if hash_of:
+                h = hash_of.pop(b, None)
+                if h is not None:
+                    del self._block_of[h]  # evicted from the prefix cache
+            refs[b] = 1
+            out.append(b)
         return out
 
-    def free(self, request_id: str, blocks: Iterable[int]) -> None:
-        """Returns ``request_id``'s blocks; pinned ones come back when their copies end."""
+    def touch(self, blocks: Iterable[int]) -> None:
+        """Adds a reference to cached ``blocks`` (a prefix-cache hit); free ones leave the queue."""
+        refs = self._refs
         for b in blocks:
-            if self._owner.get(b) != request_id:
+            count = refs.get(b, 0)
+            if count == 0:
+                if b in self._free:
+                    del self._free[b]
+                elif b in self._released_when_unpinned:
+                    self._released_when_unpinned.discard(b)  # its copy still runs; now owned
+                else:
+                    raise BlockAccountingError(f"{self.name} pool: touching unknown block {b}")
+            refs[b] = count + 1
+
+    def free(self, request_id: str, blocks: Iterable[int]) -> None:
+        """Drops ``request_id``'s reference to ``blocks``; a block nobody holds returns to the
+        back of the free queue (pinned ones when their copies end)."""
+        refs = self._refs
+        for b in blocks:
+            count = refs.get(b, 0)
+            if count <= 0:
                 raise BlockAccountingError(
-                    f"{self.name} pool: {request_id!r} frees block {b} owned by "
-                    f"{self._owner.get(b)!r}"
+                    f"{self.name} pool: {request_id!r} frees block {b}, which nobody holds"
                 )
-            del self._owner[b]
+            if count > 1:
+                refs[b] = count - 1
+                continue
+            del refs[b]
             if self._pins.get(b, 0) > 0:
                 self._released_when_unpinned.add(b)
             else:
-                self._free.append(b)
+                self._free[b] = None
 
     def pin(self, blocks: Iterable[int]) -> None:
         """Marks a copy from or to ``blocks`` as in flight."""
         for b in blocks:
-            if b in self._released_when_unpinned or b not in self._owner:
+            if self._refs.get(b, 0) <= 0:
                 raise BlockAccountingError(f"{self.name} pool: pinning unowned block {b}")
             self._pins[b] = self._pins.get(b, 0) + 1
 
@@ -121,66 +198,97 @@ class BlockPool:
                 del self._pins[b]
                 if b in self._released_when_unpinned:
                     self._released_when_unpinned.discard(b)
-                    self._free.append(b)
+                    self._free[b] = None
             else:
                 self._pins[b] = count - 1
 
+    # ---- prefix cache --------------------------------------------------------------------
+    def is_cached(self, block: int) -> bool:
+        """Whether ``block`` is registered in the prefix cache (its content must be kept)."""
+        return block in self._hash_of
+
+    def cached_block(self, block_hash: bytes) -> int | None:
+        """The block registered under ``block_hash``, or None."""
+        return self._block_of.get(block_hash)
+
+    def register(self, block: int, block_hash: bytes) -> None:
+        """Registers the full, computed ``block`` under ``block_hash`` (first one wins)."""
+        if block_hash in self._block_of or block in self._hash_of:
+            return
+        if self._refs.get(block, 0) <= 0:
+            raise BlockAccountingError(f"{self.name} pool: registering unowned block {block}")
+        self._block_of[block_hash] = block
+        self._hash_of[block] = block_hash
+
     def check(self, tables: dict[str, list[int]]) -> None:
         """Checks this pool's invariants against the per-request ``tables``."""
-        seen: dict[int, str] = {}
+        held: dict[int, int] = {}
         for rid, table in tables.items():
+            if len(set(table)) != len(table):
+                raise BlockAccountingError(f"{self.name} pool: {rid!r} lists a block twice")
             for b in table:
                 if not 0 <= b < self.num_blocks:
                     raise BlockAccountingError(f"{self.name} pool: {rid!r} holds bad block {b}")
-                if b in seen:
-                    raise BlockAccountingError(
-                        f"{self.name} pool: block {b} owned twice ({seen[b]!r}, {rid!r})"
-                    )
-                seen[b] = rid
-                if self._owner.get(b) != rid:
-                    raise BlockAccountingError(
-                        f"{self.name} pool: table of {rid!r} lists block {b} owned by "
-                        f"{self._owner.get(b)!r}"
-                    )
-        if len(seen) != len(self._owner):
-            raise BlockAccountingError(f"{self.name} pool: owners not matched by any table")
-        free = list(self._free)
-        if len(set(free)) != len(free):
-            raise BlockAccountingError(f"{self.name} pool: a block is twice in the free queue")
-        free_set = set(free)
-        if free_set & set(seen) or free_set & self._released_when_unpinned:
+                held[b] = held.get(b, 0) + 1
+        if held != self._refs:
+            raise BlockAccountingError(
+                f"{self.name} pool: reference counts do not match the request tables"
+            )
+        free_set = set(self._free)
+        if free_set & set(held) or free_set & self._released_when_unpinned:
             raise BlockAccountingError(f"{self.name} pool: a free block is also owned/in flight")
-        if set(seen) & self._released_when_unpinned:
+        if set(held) & self._released_when_unpinned:
             raise BlockAccountingError(f"{self.name} pool: an owned block is also released")
         for b in self._released_when_unpinned:
             if self._pins.get(b, 0) <= 0:
                 raise BlockAccountingError(f"{self.name} pool: released block {b} not pinned")
-        total = len(free_set) + len(seen) + len(self._released_when_unpinned)
+        for b, h in self._hash_of.items():
+            if self._block_of.get(h) != b:
+                raise BlockAccountingError(f"{self.name} pool: cache maps of block {b} disagree")
+        if len(self._block_of) != len(self._hash_of):
+            raise BlockAccountingError(f"{self.name} pool: cache maps differ in size")
+        total = len(free_set) + len(held) + len(self._released_when_unpinned)
         if total != self.num_blocks:
             raise BlockAccountingError(
                 f"{self.name} pool: {self.num_blocks - total} blocks leaked "
-                f"(free {len(free_set)}, owned {len(seen)}, "
+                f"(free {len(free_set)}, owned {len(held)}, "
                 f"in flight {len(self._released_when_unpinned)})"
             )
 
 
 class KVBlockManager:
-    """Per-request device and host block tables over two `BlockPool` s.
+    """Per-request device and host block tables over two `BlockPool` s, with prefix caching.
 
     Args:
       num_device_blocks: blocks in the device (HBM) pool.
       num_host_blocks: blocks in the host (pinned memory) pool; 0 disables offload.
       block_size: tokens per block.
+      enable_prefix_caching: keep full device blocks findable by content (see the module
+        docstring); off, every admission computes its whole context.
     """
 
-    def __init__(self, num_device_blocks: int, num_host_blocks: int, block_size: int):
+    def __init__(
+        self,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+    ):
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.device = BlockPool(num_device_blocks, "device")
         self.host = BlockPool(num_host_blocks, "host")
         self.device_tables: dict[str, list[int]] = {}
         self.host_tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}
+        # Leading blocks of each device table already registered in the prefix cache.
+        self._num_registered: dict[str, int] = {}
+        self.prefix_queries = 0
+        """Tokens of the admissions that looked up the prefix cache."""
+        self.prefix_hits = 0
+        """Of those, tokens found cached (not computed again)."""
 
     # ---- queries -------------------------------------------------------------------------
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -196,6 +304,88 @@ class KVBlockManager:
         have = len(self.device_tables.get(request_id, ()))
         return max(0, self.num_blocks_for(num_tokens) - have)
 
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Cached tokens over looked-up tokens (0.0 before any lookup)."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def block_hashes(self, req: Request, num_blocks: int) -> list[bytes]:
+        """The chained hashes of ``req``'s first ``num_blocks`` full blocks (memoized)."""
+        hashes = self._hashes.setdefault(req.request_id, [])
+        bs = self.block_size
+        if len(hashes) < num_blocks:
+            prompt, output = req.prompt_token_ids, req.output_token_ids
+            num_prompt = len(prompt)
+            parent = hashes[-1] if hashes else None
+            for k in range(len(hashes), num_blocks):
+                lo, hi = k * bs, (k + 1) * bs
+                if hi <= num_prompt:
+                    tokens = prompt[lo:hi]
+                elif lo >= num_prompt:
+                    tokens = output[lo - num_prompt : hi - num_prompt]
+                else:
+                    tokens = list(prompt[lo:]) + list(output[: hi - num_prompt])
+                parent = hash_block_tokens(parent, tokens, req.cache_salt if k == 0 else None)
+                hashes.append(parent)
+        return hashes
+
+    def lookup_prefix(self, req: Request) -> list[int]:
+        """Cached device blocks holding the longest prefix of ``req``'s tokens.
+
+        At most ``num_tokens - 1`` tokens are taken from the cache (the last one is computed to
+        sample from); empty when caching is off or ``req`` already holds device blocks.
+        """
+        if not self.enable_prefix_caching or self.device_tables.get(req.request_id):
+            return []
+        n = (req.num_tokens - 1) // self.block_size
+        if n <= 0:
+            return []
+        out = []
+        cached = self.device.cached_block
+        for h in self.block_hashes(req, n):
+            b = cached(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def num_free_among(self, blocks: Iterable[int]) -> int:
+        """How many of ``blocks`` sit in the free queue (a hit on them uses up a free block)."""
+        free = self.device._free
+        return sum(1 for b in blocks if b in free)
+
+    def take_prefix(self, req: Request, blocks: list[int]) -> None:
+        """Starts ``req``'s device table with the cached ``blocks`` (from `lookup_prefix`) and
+        counts the lookup in the hit-rate statistics."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += len(blocks) * self.block_size
+        if not blocks:
+            return
+        rid = req.request_id
+        if self.device_tables.get(rid):
+            raise BlockAccountingError(f"{rid!r} takes a cached prefix while holding blocks")
+        self.device.touch(blocks)
+        self.device_tables[rid] = list(blocks)
+        self._num_registered[rid] = len(blocks)
+
+    def cache_computed(self, req: Request) -> None:
+        """Registers ``req``'s full device blocks whose KV is computed (after each step)."""
+        rid = req.request_id
+        table = self.device_tables.get(rid)
+        if not table or not self.enable_prefix_caching:
+            return
+        done = self._num_registered.get(rid, 0)
+        full = min(req.num_computed_tokens // self.block_size, len(table))
+        if full <= done:
+            return
+        hashes = self.block_hashes(req, full)
+        register = self.device.register
+        for k in range(done, full):
+            register(table[k], hashes[k])
+        self._num_registered[rid] = full
+
     # ---- device allocation ---------------------------------------------------------------
     def grow(self, request_id: str, num_tokens: int) -> list[int]:
         """Allocates device blocks so ``request_id`` holds ``num_tokens`` tokens; returns them."""
@@ -205,14 +395,20 @@ class KVBlockManager:
         return new
 
     def free_device(self, request_id: str) -> list[int]:
-        """Frees ``request_id``'s device blocks (recompute preemption, finish)."""
+        """Frees ``request_id``'s device blocks (recompute preemption, finish).
+
+        The blocks go to the free queue last block first, so a prefix is evicted from its end;
+        registered ones stay findable until evicted.
+        """
         table = self.device_tables.pop(request_id, [])
-        self.device.free(request_id, table)
+        self._num_registered.pop(request_id, None)
+        self.device.free(request_id, reversed(table))
         return table
 
     def free(self, request_id: str) -> None:
         """Frees everything ``request_id`` holds, device and host (finish or abort)."""
         self.free_device(request_id)
+        self._hashes.pop(request_id, None)
         self.host.free(request_id, self.host_tables.pop(request_id, []))
 
     # ---- offload and restore ------------------------------------------------------------
@@ -232,6 +428,7 @@ class KVBlockManager:
         if request_id in self.host_tables:
             raise BlockAccountingError(f"{request_id!r} is already offloaded")
         table = self.device_tables.pop(request_id, [])
+        self._num_registered.pop(request_id, None)
         host = self.host.allocate(request_id, len(table))
         self.host_tables[request_id] = host
         self.device.pin(table)

@@ -1,15 +1,25 @@
-"""Preemption policies: three baselines faithful to the systems they name, and ``predictive``.
+"""Preemption policies: four baselines faithful to the systems they name, and ``predictive``.
 
 All policies implement `serve_jax.scheduler.VictimPolicy`: when the running requests need more
 device blocks than are free, the scheduler hands them a `SchedulerView` and applies the
-``(request, PreemptMode)`` pairs they return.
+``(request, PreemptMode)`` pairs they return. The scheduler's rules are the same for every
+policy (vLLM V1's: no admission in a step that preempted, a step's victims sit it out,
+automatic prefix caching); a policy differs only in its victims, their mode and its admission
+hook.
 
 - ``fcfs_last`` (vLLM V1, `serve_jax.scheduler.FcfsLastPolicy`): the most recently admitted
   running request, by recompute; the scheduler asks again while blocks are short.
-- ``fewest_output`` (SGLang ``ScheduleBatch.retract_decode``): running requests sorted by
-  (output tokens descending, prompt tokens ascending); pop from the back (fewest output tokens,
-  longest prompt on ties) until the shortfall is covered *and* the blocks left over give every
-  remaining request ``retract_decode_steps`` (20) more tokens; always keep one. Recompute.
+- ``fcfs_last_offload``: the same victim order, each victim offloaded to the host tier (recompute
+  when the host pool is full).
+- ``fewest_output`` (SGLang's retract, `FewestOutputPolicy`): victims from
+  ``ScheduleBatch.retract_decode``: running requests sorted by (output tokens descending, prompt
+  tokens ascending); pop from the back (fewest output tokens, longest prompt on ties) until the
+  shortfall is covered *and* the blocks left over give every remaining request
+  ``retract_decode_steps`` (20) more tokens; always keep one. Recompute. Admission follows
+  SGLang's ``PrefillAdder``: each running request reserves ``new_token_ratio`` of its remaining
+  ``max_tokens`` (clipped at 4096), a new one its prompt plus its clipped ``max_tokens``; the
+  ratio starts at 0.7, decays to 0.098 over 600 steps, and a retraction resets it to the
+  decoded fraction of the survivors' budgets (SGLang's defence against cascades).
 - ``least_computed``: fewest computed tokens first (the cheapest to recompute), latest admission
   on ties, until the shortfall is covered. Recompute.
 - ``predictive`` (ours): an online remaining-length predictor (`serve_jax.predictor`) gives each
@@ -25,8 +35,10 @@ device blocks than are free, the scheduler hands them a `SchedulerView` and appl
   request joins only when the predicted peak with it fits, so a victim is not re-admitted into
   the memory that was just freed for the others (the cascade of the baselines).
 
-The gate is `PredictivePolicy.admission_limit`, the scheduler's admission hook (see
-`serve_jax.scheduler`); the other policies keep the hook's default (no limit).
+The gates are `PredictivePolicy.admission_limit` and `FewestOutputPolicy.admission_limit`, the
+scheduler's admission hook (see `serve_jax.scheduler`); the other policies keep the hook's
+default (no limit). Ablations of ``predictive`` switch one part off at a time:
+``predictive_nogate`` (no admission gate), ``predictive_recompute`` (no offload).
 """
 
 from __future__ import annotations
@@ -52,28 +64,91 @@ __all__ = [
     "LeastComputedPolicy",
     "PredictivePolicy",
     "POLICY_NAMES",
+    "ABLATIONS",
     "get_policy",
     "make_policy",
     "predicted_peak_tokens",
 ]
 
-POLICY_NAMES = ("fcfs_last", "fewest_output", "least_computed", "predictive")
+POLICY_NAMES = (
+    "fcfs_last",
+    "fcfs_last_offload",
+    "fewest_output",
+    "least_computed",
+    "predictive",
+)
+"""The policies `simulate` compares by default: the baselines, then ours."""
+ABLATIONS = ("predictive_nogate", "predictive_recompute")
+"""``predictive`` with its admission gate, or its offload, switched off."""
 
 
 class FewestOutputPolicy(VictimPolicy):
-    """SGLang's retract: fewest output tokens first (longest prompt on ties), with a buffer.
+    """SGLang's retract: fewest output tokens first (longest prompt on ties), with a buffer, and
+    SGLang's ``new_token_ratio`` admission throttle.
 
     Args:
       retract_decode_steps: after retracting, the free blocks must give each remaining request
         this many more tokens (SGLang's ``global_config.retract_decode_steps``, 20).
+      init_new_token_ratio: the ratio's start and ceiling of its decay (SGLang 0.7).
+      min_new_token_ratio_factor: the ratio's floor is this times the start (SGLang 0.14).
+      new_token_ratio_decay_steps: steps to decay from start to floor (SGLang 600).
+      clip_max_new_tokens: a request's remaining budget is clipped here (SGLang 4096).
+      throttle: apply the admission throttle (False: SGLang's victims only, for ablations).
     """
 
     name = "fewest_output"
 
-    def __init__(self, retract_decode_steps: int = 20):
+    def __init__(
+        self,
+        retract_decode_steps: int = 20,
+        *,
+        init_new_token_ratio: float = 0.7,
+        min_new_token_ratio_factor: float = 0.14,
+        new_token_ratio_decay_steps: int = 600,
+        clip_max_new_tokens: int = 4096,
+        throttle: bool = True,
+    ):
         if retract_decode_steps < 0:
             raise ValueError(f"retract_decode_steps must be >= 0, got {retract_decode_steps}")
+        if not 0.0 < init_new_token_ratio <= 1.0 or new_token_ratio_decay_steps < 1:
+            raise ValueError("init_new_token_ratio must be in (0, 1], decay steps >= 1")
         self.retract_decode_steps = retract_decode_steps
+        self.init_new_token_ratio = init_new_token_ratio
+        self.min_new_token_ratio = init_new_token_ratio * min_new_token_ratio_factor
+        self.new_token_ratio_decay = (
+            init_new_token_ratio - self.min_new_token_ratio
+        ) / new_token_ratio_decay_steps
+        self.clip_max_new_tokens = clip_max_new_tokens
+        self.throttle = throttle
+        self.new_token_ratio = init_new_token_ratio
+        self._retracted = False
+
+    def admission_limit(self, sched: Scheduler) -> int | None:
+        """SGLang's ``PrefillAdder`` budget: how many queued requests fit the free tokens left
+        after every running request's ``new_token_ratio`` share of its remaining budget."""
+        # SGLang's event loop: the ratio decays on every step that did not retract.
+        if self._retracted:
+            self._retracted = False
+        else:
+            self.new_token_ratio = max(
+                self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio
+            )
+        if not self.throttle:
+            return None
+        clip = self.clip_max_new_tokens
+        bs = sched.block_size
+        rem = (sched.blocks.device.num_free + sched.blocks.device.num_in_flight) * bs
+        for r in sched.running:
+            rem -= min(r.max_tokens - r.num_output_tokens, clip) * self.new_token_ratio
+        allowed = 0
+        for req in _chain(sched.offloaded, sched.waiting):
+            total = req.num_tokens - req.num_computed_tokens
+            total += min(req.max_tokens - req.num_output_tokens, clip)
+            if total > rem:
+                break
+            rem -= total
+            allowed += 1
+        return allowed
 
     def select_victims(self, view: SchedulerView) -> list[tuple[Request, PreemptMode]]:
         # SGLang sorts (len(output_ids), -len(origin_input_ids)) descending and pops the back.
@@ -91,6 +166,13 @@ class FewestOutputPolicy(VictimPolicy):
             req = order.pop()
             victims.append((req, PreemptMode.RECOMPUTE))
             freed += view.device_blocks_held.get(req.request_id, 0)
+        if victims:
+            # retract_decode's new estimate, over the requests that stay.
+            decoded = sum(r.num_output_tokens for r in order)
+            budget = sum(r.max_tokens for r in order)
+            steps = self.retract_decode_steps * len(order)
+            self.new_token_ratio = min(1.0, (decoded + steps) / budget) if budget else 1.0
+            self._retracted = True
         return victims
 
 
@@ -194,6 +276,8 @@ class PredictivePolicy(VictimPolicy):
         self._block_size = 16
         if not gate:
             self.name = "predictive_nogate"
+        elif not allow_offload:
+            self.name = "predictive_recompute"
 
     # -- predictor bookkeeping ---------------------------------------------------------------
 
@@ -365,8 +449,7 @@ def get_policy(name: str, **kwargs: Any) -> VictimPolicy:
     """A fresh policy by name.
 
     Args:
-      name: ``fcfs_last``, ``fewest_output``, ``least_computed``, ``predictive`` (or
-        ``predictive_nogate``, predictive victims without the admission gate, for ablations).
+      name: one of `POLICY_NAMES` or `ABLATIONS`.
       **kwargs: passed to the policy's constructor.
 
     Raises:
@@ -375,6 +458,8 @@ def get_policy(name: str, **kwargs: Any) -> VictimPolicy:
     key = name.strip().lower()
     if key == "fcfs_last":
         return FcfsLastPolicy(**kwargs)
+    if key == "fcfs_last_offload":
+        return FcfsLastPolicy(PreemptMode.OFFLOAD, **kwargs)
     if key == "fewest_output":
         return FewestOutputPolicy(**kwargs)
     if key == "least_computed":
@@ -383,6 +468,6 @@ def get_policy(name: str, **kwargs: Any) -> VictimPolicy:
         return PredictivePolicy(**kwargs)
     if key == "predictive_nogate":
         return PredictivePolicy(gate=False, **kwargs)
-    raise ValueError(
-        f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)} (and predictive_nogate)"
-    )
+    if key == "predictive_recompute":
+        return PredictivePolicy(allow_offload=False, **kwargs)
+    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES + ABLATIONS)}")

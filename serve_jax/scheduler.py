@@ -28,20 +28,27 @@ under the JAX engine and the simulator alike)::
 3. Offloaded requests are restored (``SchedulerOutput.restores``) in preemption order when their
    blocks fit, and resume right away in the same step.
 4. Waiting requests are admitted FCFS while there are sequence slots, token budget and free
-   device blocks for their first chunk; admission never preempts.
+   device blocks for their first chunk; admission never preempts. With prefix caching (on by
+   default) an admitted request starts from the longest prefix of its tokens whose full blocks
+   are cached (`serve_jax.kv_blocks`): those blocks are shared and their tokens count as
+   computed, so only the rest is prefilled.
 
-Admission control (steps 3-4) has two switches that any policy may use:
+The same rules hold for every policy:
 
+* a step's victims sit the rest of that step out: they are requeued (recompute: at the front of
+  the waiting queue; offload: at the back of the offloaded queue) once the plan is complete;
+* ``no_admission_after_preemption`` (on by default): vLLM V1's rule (``if not
+  preempted_reqs``): a step that preempted admits no waiting request;
 * the policy's admission hook, ``policy.admission_limit(scheduler)``, asked once at the start of
   each step: at most that many requests from the head of ``[offloaded..., waiting...]`` are
-  restored or admitted in the step (None, the default, means no limit). While a policy gates,
-  the step's own victims sit the rest of the step out: they are requeued (recompute: at the
-  front of the waiting queue; offload: at the back of the offloaded queue) when the step's plan
-  is complete, since the limit was decided before they were preempted;
-* ``no_admission_after_preemption``: vLLM V1's rule (``if not preempted_reqs``): a step that
-  preempted admits no waiting request.
+  restored or admitted in the step (None, the default, means no limit).
 
-`update_from_output` advances ``num_computed_tokens``, appends sampled tokens, finishes requests
+A request that could never fit (prompt plus ``max_tokens`` beyond ``max_model_len``, the model's
+context limit capped by the device pool) is refused by `Scheduler.add_request` with the reason
+(`Scheduler.admission_error`), so nothing can wait for memory that will never exist.
+
+`update_from_output` advances ``num_computed_tokens`` (registering newly full blocks in the
+prefix cache), appends sampled tokens, finishes requests
 at ``max_tokens`` or a stop token, releases blocks whose copies completed, and calls the policy
 hooks. The engine finishes requests for other reasons (stop strings, aborts) with
 `Scheduler.finish_request`.
@@ -103,7 +110,9 @@ class Scheduler:
       costs: cost hints handed to the policy (default `LinearCostHints`).
       max_model_len: longest prompt + output allowed; default all device blocks.
       no_admission_after_preemption: vLLM V1's rule: a step that preempted admits no waiting
-        request (off by default).
+        request (on by default, for every policy).
+      enable_prefix_caching: automatic prefix caching in the block manager (on by default; see
+        `serve_jax.kv_blocks`): an admission starts from the longest cached prefix of its tokens.
     """
 
     def __init__(
@@ -116,11 +125,14 @@ class Scheduler:
         policy: VictimPolicy | None = None,
         costs: CostHints | None = None,
         max_model_len: int | None = None,
-        no_admission_after_preemption: bool = False,
+        no_admission_after_preemption: bool = True,
+        enable_prefix_caching: bool = True,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self.blocks = KVBlockManager(num_device_blocks, num_host_blocks, block_size)
+        self.blocks = KVBlockManager(
+            num_device_blocks, num_host_blocks, block_size, enable_prefix_caching
+        )
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -139,23 +151,39 @@ class Scheduler:
         self.preempted_computed_tokens: dict[str, int] = {}
         """Computed tokens of each request at its latest preemption (what a recompute wastes)."""
         self._admissions = 0
-        # Victims of the step being planned, requeued at its end (only while the policy gates).
-        self._hold_victims = False
+        # Victims of the step being planned, requeued at its end.
         self._held_waiting: list[Request] = []
         self._held_offloaded: list[Request] = []
         self.policy.attach(self)
 
     # ---- requests ------------------------------------------------------------------------
+    def admission_error(self, num_prompt_tokens: int, max_tokens: int = 1) -> str | None:
+        """Why a request of this size can never run here (None: it can).
+
+        ``max_model_len`` is the model's context limit capped by the device KV pool, so a
+        prompt plus ``max_tokens`` beyond it could never be held at once.
+        """
+        total = num_prompt_tokens + max_tokens
+        if total <= self.max_model_len:
+            return None
+        device_tokens = self.blocks.device.num_blocks * self.block_size
+        limit = "the device KV cache" if self.max_model_len == device_tokens else "the model"
+        return (
+            f"prompt ({num_prompt_tokens}) + max_tokens ({max_tokens}) = {total} exceeds "
+            f"max_model_len {self.max_model_len} (the context limit of {limit})"
+        )
+
     def add_request(self, req: Request) -> None:
-        """Queues ``req`` (status WAITING)."""
+        """Queues ``req`` (status WAITING).
+
+        Raises:
+          ValueError: a duplicate id, or a request that can never fit (`admission_error`).
+        """
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        total = req.num_prompt_tokens + req.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"request {req.request_id!r}: prompt ({req.num_prompt_tokens}) + max_tokens "
-                f"({req.max_tokens}) = {total} exceeds max_model_len {self.max_model_len}"
-            )
+        error = self.admission_error(req.num_prompt_tokens, req.max_tokens)
+        if error is not None:
+            raise ValueError(f"request {req.request_id!r}: {error}")
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -217,20 +245,14 @@ class Scheduler:
         ):
             out.offloads.extend(self.blocks.begin_offload(req.request_id))
             req.status = RequestStatus.OFFLOADED
-            if self._hold_victims:
-                self._held_offloaded.append(req)
-            else:
-                self.offloaded.append(req)
+            self._held_offloaded.append(req)
             self.num_offload_preemptions += 1
         else:
             mode = PreemptMode.RECOMPUTE
             self.blocks.free_device(req.request_id)
             req.num_computed_tokens = 0
             req.status = RequestStatus.PREEMPTED
-            if self._hold_victims:
-                self._held_waiting.append(req)
-            else:
-                self.waiting.appendleft(req)
+            self._held_waiting.append(req)
         out.preemptions.append((req.request_id, mode))
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
@@ -273,7 +295,6 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         # The admission hook: how many queued requests (offloaded first) this step may take.
         limit = self.policy.admission_limit(self)
-        self._hold_victims = limit is not None
         quota = len(self.requests) if limit is None else max(int(limit), 0)
 
         # 1-2. running requests, preempting while their new blocks do not fit.
@@ -382,25 +403,33 @@ class Scheduler:
             and budget > 0
         ):
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.blocks.extra_blocks_needed(req.request_id, n) > self.blocks.device.num_free:
+            # A waiting request holds no blocks and has nothing computed; it starts from the
+            # longest cached prefix of its tokens.
+            hits = self.blocks.lookup_prefix(req)
+            computed = len(hits) * bs
+            n = min(req.num_tokens - computed, budget)
+            need = self.blocks.num_blocks_for(computed + n) - len(hits)
+            if need + self.blocks.num_free_among(hits) > device.num_free:
                 break
             self.waiting.popleft()
+            self.blocks.take_prefix(req, hits)
+            req.num_computed_tokens = computed
             self._admit(req, now)
-            self.blocks.grow(req.request_id, req.num_computed_tokens + n)
+            self.blocks.grow(req.request_id, computed + n)
             chunk = self._chunk(req, n)
             out.prefills.append(chunk)
             budget -= n
             quota -= 1
 
-        # Victims held out of this step rejoin their queues (recompute ones in front).
+        # The step's victims sat the rest of it out (every policy alike); they rejoin their
+        # queues now: recompute ones in front (the last preempted first, as vLLM prepends each
+        # victim), offloaded ones at the back in preemption order.
         if self._held_waiting:
             self.waiting.extendleft(self._held_waiting)
             self._held_waiting = []
         if self._held_offloaded:
             self.offloaded.extend(self._held_offloaded)
             self._held_offloaded = []
-        self._hold_victims = False
 
         block_tables = out.block_tables
         for chunk in prefills:
@@ -423,6 +452,8 @@ class Scheduler:
         requests = self.requests
         sampled = result.sampled
         running_status = RequestStatus.RUNNING
+        bs = self.block_size
+        cache_computed = self.blocks.cache_computed if self.blocks.enable_prefix_caching else None
         # The base hook does nothing; skip a call per token when the policy keeps it.
         on_tokens = self.policy.on_tokens
         if getattr(on_tokens, "__func__", None) is VictimPolicy.on_tokens:
@@ -436,6 +467,9 @@ class Scheduler:
                 if req.num_computed_tokens != chunk.start:
                     continue  # preempted and restarted since (stale chunk)
                 req.num_computed_tokens += chunk.num_tokens
+                if cache_computed is not None and req.num_computed_tokens % bs < chunk.num_tokens:
+                    # the chunk completed a block: register it in the prefix cache
+                    cache_computed(req)
                 if not chunk.sample:
                     continue
                 if rid not in sampled:
@@ -487,4 +521,6 @@ class Scheduler:
             "free_device_blocks": self.blocks.device.num_free,
             "free_host_blocks": self.blocks.host.num_free,
             "preemptions": self.num_preemptions,
+            "prefix_cache_queries": self.blocks.prefix_queries,
+            "prefix_cache_hits": self.blocks.prefix_hits,
         }

@@ -45,7 +45,7 @@ from serve_jax.scheduler import (
     Scheduler,
     VictimPolicy,
 )
-from serve_jax.sim_executor import STOP_TOKEN, TOKEN, SimulatedExecutor, compact_tokens
+from serve_jax.sim_executor import STOP_TOKEN, ConstTokens, SimulatedExecutor, compact_tokens
 from serve_jax.sim_metrics import SimMetrics, count_cascades
 from serve_jax.workloads import RequestSpec, Workload
 
@@ -84,8 +84,12 @@ class SimConfig:
     """TTFT objective for goodput, ms."""
     slo_tpot_ms: float = 100.0
     """TPOT objective for goodput, ms."""
-    no_admission_after_preemption: bool = False
-    """vLLM V1's rule: a step that preempted admits no waiting request (a `Scheduler` option)."""
+    no_admission_after_preemption: bool = True
+    """vLLM V1's rule: a step that preempted admits no waiting request (a `Scheduler` option,
+    on for every policy)."""
+    enable_prefix_caching: bool = True
+    """Automatic prefix caching in the block manager (`serve_jax.kv_blocks`), as the engine's
+    ``cache.enable_prefix_caching``."""
     finish_by: str = "stop_token"
     """``stop_token`` (default) or ``max_tokens`` (engine replay convention)."""
     max_steps: int = 50_000_000
@@ -116,6 +120,10 @@ class SimulationResult:
     workload: str
     submitted: int
     completed: int
+    rejected: int
+    """Requests refused at arrival because they could never fit (`Scheduler.admission_error`)."""
+    prefix_hit_rate: float
+    """Prompt and context tokens found in the prefix cache over those looked up at admission."""
     preemptions: int
     offload_preemptions: int
     cascades: int
@@ -157,6 +165,8 @@ class SimulationResult:
             "throughput_tok_s": self.throughput_tok_s,
             "completed": self.completed,
             "submitted": self.submitted,
+            "rejected": self.rejected,
+            "prefix_hit_rate": self.prefix_hit_rate,
             "workload": self.workload,
             "offload_preemptions": self.offload_preemptions,
             "preempted_requests": self.preempted_requests,
@@ -185,6 +195,8 @@ class ArrivalFeeder:
 
     Follow-up turns (``parent_id``) are queued when their parent finishes, ``think_time`` later;
     call the feeder as a `StepObserver` for that. Finished requests keep only their token counts.
+    A request the scheduler refuses (`Scheduler.admission_error`: it could never fit) is counted
+    in ``rejected`` with its reason, and its follow-up turns arrive as if it had finished.
 
     Args:
       workload: the requests.
@@ -206,6 +218,8 @@ class ArrivalFeeder:
                 self.arrivals.append((r.arrival_time, i, r.request_id))
         heapq.heapify(self.arrivals)
         self.requests: dict[str, Request] = {}
+        self.rejected: dict[str, str] = {}
+        """Reason of each refused request."""
 
     @property
     def next_arrival(self) -> float | None:
@@ -215,20 +229,29 @@ class ArrivalFeeder:
     def feed(self, now: float) -> None:
         """Adds every request arriving by ``now``."""
         arrivals = self.arrivals
+        scheduler = self.core.scheduler
         while arrivals and arrivals[0][0] <= now:
             t, _, rid = heapq.heappop(arrivals)
             req = self.make_request(self.specs[rid], t)
+            error = scheduler.admission_error(req.num_prompt_tokens)
+            if error is not None:
+                self.rejected[rid] = error
+                self._release_children(rid, t)
+                continue
             self.requests[rid] = req
             self.core.add_request(req)
+
+    def _release_children(self, rid: str, t: float) -> None:
+        for child in self.children.pop(rid, ()):
+            cid = child.request_id
+            heapq.heappush(self.arrivals, (t + child.think_time, self.order[cid], cid))
 
     def __call__(self, out: StepOutput) -> None:
         for ev in out.events:
             if not ev.finished:
                 continue
             compact_tokens(self.requests[ev.request_id])
-            for child in self.children.pop(ev.request_id, ()):
-                t = out.finished_at + child.think_time
-                heapq.heappush(self.arrivals, (t, self.order[child.request_id], child.request_id))
+            self._release_children(ev.request_id, out.finished_at)
 
 
 def simulate(
@@ -257,9 +280,13 @@ def simulate(
     Returns:
       A `SimulationResult`.
 
+    Requests that can never fit (prompt plus one token beyond the device pool or the model's
+    context) are refused at arrival and counted in ``SimulationResult.rejected``.
+
     Raises:
-      ValueError: a request that cannot fit the device at all, or a bad configuration.
-      RuntimeError: the simulation stalls (no progress possible) or passes ``max_steps``.
+      ValueError: a bad configuration.
+      RuntimeError: the simulation stalls (a scheduler bug: nothing runnable, nothing to come)
+        or passes ``max_steps``.
     """
     if config.finish_by not in ("stop_token", "max_tokens"):
         raise ValueError(
@@ -282,27 +309,28 @@ def simulate(
         costs=costs if costs is not None else roofline,
         no_admission_after_preemption=config.no_admission_after_preemption,
         max_model_len=config.max_model_len,
+        enable_prefix_caching=config.enable_prefix_caching,
     )
     capacity = sched.max_model_len
-    for r in workload.requests:
-        if r.prompt_len + 1 > capacity:
-            raise ValueError(
-                f"request {r.request_id!r}: prompt of {r.prompt_len} tokens cannot fit "
-                f"{num_blocks} blocks of {config.block_size} tokens"
-            )
     output_lens = {
-        r.request_id: min(r.output_len, capacity - r.prompt_len) for r in workload.requests
+        r.request_id: max(min(r.output_len, capacity - r.prompt_len), 1)
+        for r in workload.requests
     }
     by_max_tokens = config.finish_by == "max_tokens"
+    sessions = _session_roots(workload)
 
     def make_request(spec: RequestSpec, t: float) -> Request:
-        limit = capacity - spec.prompt_len
+        # Placeholder tokens; the salt (the session's first turn) makes a turn's context match
+        # the cached context of the turns before it, and nothing else.
         return Request(
             request_id=spec.request_id,
-            prompt_token_ids=[TOKEN] * spec.prompt_len,
-            max_tokens=output_lens[spec.request_id] if by_max_tokens else limit,
+            prompt_token_ids=ConstTokens(spec.prompt_len),
+            max_tokens=output_lens[spec.request_id]
+            if by_max_tokens
+            else max(capacity - spec.prompt_len, 1),
             arrival_time=t,
             stop_token_ids=frozenset({STOP_TOKEN}),
+            cache_salt=sessions[spec.request_id],
         )
 
     executor = SimulatedExecutor(
@@ -325,7 +353,8 @@ def simulate(
     while feeder.arrivals or sched.has_unfinished():
         feeder.feed(executor.now)
         if not sched.has_unfinished():
-            executor.set_time(feeder.next_arrival)
+            if feeder.arrivals:  # (everything fed so far may have been refused)
+                executor.set_time(feeder.next_arrival)
             continue
         if core.step() is None:
             # Nothing can run until a new request arrives (e.g. everything waits on the gate).
@@ -343,10 +372,28 @@ def simulate(
     sched.blocks.assert_all_free()  # nothing leaked: every block back, every copy landed
     tally.steps = core.num_steps
     tally.wall = time.perf_counter() - wall0
-    return _result(pol, workload, feeder.requests, sched, config, tally)
+    return _result(pol, workload, feeder, sched, config, tally)
 
 
-def _result(pol, workload, reqs, sched, config: SimConfig, tally: SimMetrics) -> SimulationResult:
+def _session_roots(workload: Workload) -> dict[str, str]:
+    """The first turn of each request's session (the request itself when it has no parent)."""
+    parent = {r.request_id: r.parent_id for r in workload.requests}
+    roots: dict[str, str] = {}
+    for rid in parent:
+        chain = []
+        node = rid
+        while node not in roots and parent.get(node) is not None and parent[node] in parent:
+            chain.append(node)
+            node = parent[node]
+        root = roots.get(node, node)
+        for n in chain:
+            roots[n] = root
+        roots[node] = root
+    return roots
+
+
+def _result(pol, workload, feeder, sched, config: SimConfig, tally: SimMetrics) -> SimulationResult:
+    reqs = feeder.requests
     ok = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
     completed = [r for r in reqs.values() if r.status in ok]
     cascades = count_cascades(list(reqs.values()), config.cascade_window_s)
@@ -363,6 +410,8 @@ def _result(pol, workload, reqs, sched, config: SimConfig, tally: SimMetrics) ->
         workload=workload.name,
         submitted=len(workload.requests),
         completed=len(completed),
+        rejected=len(feeder.rejected),
+        prefix_hit_rate=sched.blocks.prefix_hit_rate,
         preemptions=sched.num_preemptions,
         offload_preemptions=sched.num_offload_preemptions,
         cascades=cascades,

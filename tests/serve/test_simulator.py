@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from serve_jax.preemption import ABLATIONS, POLICY_NAMES, FewestOutputPolicy
 from serve_jax.scheduler import Request
 from serve_jax.sim_metrics import count_cascades
 from serve_jax.simulator import SimConfig, simulate
@@ -23,15 +24,15 @@ def small_workload(n: int = 12, seed: int = 0) -> Workload:
     return Workload("small", reqs)
 
 
-@pytest.mark.parametrize(
-    "policy", ["fcfs_last", "fewest_output", "least_computed", "predictive", "predictive_nogate"]
-)
+@pytest.mark.parametrize("policy", POLICY_NAMES + ABLATIONS)
 def test_every_policy_completes_every_request(policy):
     wl = small_workload()
     res = simulate(wl, policy, TINY)  # also asserts every block came back
     assert res.completed == res.submitted == len(wl.requests)
     assert res.output_tokens == sum(r.output_len for r in wl.requests)
-    if policy != "predictive":  # the memory is small enough to force preemptions
+    # The memory is small enough to force preemptions, except under an admission gate
+    # (predictive's, and SGLang's new_token_ratio throttle).
+    if policy not in ("predictive", "predictive_recompute", "fewest_output"):
         assert res.preemptions > 0
     row = res.row()
     for key in ("policy", "preemptions", "cascades", "p99_tpot_ms", "p99_ttft_ms",
@@ -99,7 +100,27 @@ def test_count_cascades_by_hand():
     assert count_cascades([r], window_s=10.0) == 2
 
 
-def test_request_that_cannot_fit_is_an_error():
-    wl = Workload("big", (RequestSpec("b", 0.0, 5000, 10),))
-    with pytest.raises(ValueError, match="cannot fit"):
-        simulate(wl, "fcfs_last", TINY)
+def test_request_that_cannot_fit_is_rejected_and_counted():
+    """A prompt beyond the device pool is refused at arrival (with its follow-up turn, whose
+    context is longer still); the requests that fit all complete."""
+    wl = Workload(
+        "big",
+        (
+            RequestSpec("b", 0.0, 5000, 10),
+            RequestSpec("b2", 0.0, 5100, 10, parent_id="b", think_time=1.0),
+            RequestSpec("ok", 0.5, 20, 10),
+        ),
+    )
+    for policy in ("fcfs_last", "least_computed", "predictive"):
+        res = simulate(wl, policy, TINY)
+        assert (res.rejected, res.completed, res.submitted) == (2, 1, 3)
+        assert res.row()["rejected"] == 2
+
+
+def test_sglang_throttle_is_what_spares_fewest_output_its_preemptions():
+    """Without its new_token_ratio throttle, SGLang's victim order preempts on the small workload."""
+    wl = small_workload()
+    bare = simulate(wl, FewestOutputPolicy(throttle=False), TINY)
+    assert bare.preemptions > 0 and bare.completed == len(wl.requests)
+    throttled = simulate(wl, FewestOutputPolicy(), TINY)
+    assert throttled.preemptions < bare.preemptions
