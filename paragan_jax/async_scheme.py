@@ -31,8 +31,11 @@ Training Framework for Generative Adversarial Networks"), as implemented here:
 
 RNG stream: the G step of iteration ``t`` uses ``fold_in(fold_in(key, t), n_disc)``, the fakes
 consumed by D in iteration ``t`` use ``fold_in(fold_in(key, t), i)`` for the i-th D step, as in
-`paragan_jax.steps.make_sync_step`. Checkpoints hold both groups' state and the snapshot; the
-buffer is refilled from the restored G on resume, so async resume is exact only for depth 1.
+`paragan_jax.steps.make_sync_step`. Checkpoints hold both groups' state (the snapshot is part of
+G's) and the buffer: it always holds ``lag + 1`` entries between iterations (it starts as that many
+copies of the fakes of G_0, which is what the first ``lag`` D steps read), so a resumed run
+continues bit for bit. A checkpoint written before the buffer was saved restores with a warning
+and the buffer refilled from the restored G (exact only for depth 1).
 """
 
 from __future__ import annotations
@@ -303,14 +306,20 @@ class AsyncRunner:
         )
         self.g_state["d_snap_stats"] = jax.device_put(self.d_state["d_stats"], sh["d_snap_stats"])
 
+    def _fill_buffer(self) -> None:
+        """Start (or resume from a checkpoint without a buffer): ``lag + 1`` copies of the fakes
+        of the current G, what the next ``lag + 1`` D steps read."""
+        if not self.buffer:
+            fakes = self._to_d(self.g.produce(self.g_state))
+            self.buffer.extend([fakes] * (self.lag + 1))
+
     def _to_d(self, fakes):
         return tuple(jax.device_put(x, self.d.batch_sharding) for x in fakes)
 
     def run_step(self, batches: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
         if not self._compiled:
             self._compile()
-        if not self.buffer:  # start or resume: fakes of the current G
-            self.buffer.append(self._to_d(self.g.produce(self.g_state)))
+        self._fill_buffer()
         batch = jax.device_put(stack_batches(batches), self.d.batch_sharding)
         fakes, labels = self.buffer[0]
         if len(self.buffer) > self.lag:
@@ -330,12 +339,20 @@ class AsyncRunner:
         """One process holds both groups: the loop's decision stands."""
         return stop
 
+    # Checkpoints written before the buffer was saved have only "g" and "d".
+    optional_checkpoint_keys = ("buffer",)
+
     def checkpoint_tree(self) -> dict[str, Any]:
-        return {"g": self.g_state, "d": self.d_state}
+        """Both groups' state and the fakes D has yet to read (oldest first)."""
+        self._fill_buffer()
+        buffer = [{"fakes": f, "labels": y} for f, y in self.buffer]
+        return {"g": self.g_state, "d": self.d_state, "buffer": buffer}
 
     def load_checkpoint_tree(self, tree: dict[str, Any]) -> None:
         self.g_state, self.d_state = dict(tree["g"]), dict(tree["d"])
         self.buffer.clear()
+        for entry in tree.get("buffer", []):  # absent: refilled from G on the next step
+            self.buffer.append((entry["fakes"], entry["labels"]))
         self._host_step = None
 
     def sampling_params(self) -> tuple[Any, Any]:

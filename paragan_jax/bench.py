@@ -18,7 +18,8 @@ from .config import TrainConfig, load_train_config
 from .data import load_dataset
 from .distributed import run_two_process_async
 from .metrics import evaluate_samples, save_sample_png
-from .train import Trainer, prepare_workdir
+from .train import Trainer
+from .workdir import prepare_workdir
 
 __all__ = ["bench_command"]
 
@@ -86,7 +87,7 @@ def bench_command(
       ConfigError: a bad preset or override (before anything trains); OSError: the workdir
         cannot be written.
     """
-    out_dir = prepare_workdir(workdir)
+    out_dir = Path(str(prepare_workdir(workdir)))  # local: the plot goes through pathlib
     base = list(overrides) + ["checkpoint.enabled=false", "steps=1000000000"]
     rows = []
     if processes:

@@ -5,6 +5,7 @@
     python -m paragan_jax train --config digits_cpu --scheme async --steps 300 --workdir runs/d
     python -m paragan_jax train --config digits_cpu --adaptive-pipeline --emulate-remote \
         --workdir runs/p
+    python -m paragan_jax train --config digits_cpu --num-processes 2 --workdir runs/d2
     python -m paragan_jax eval --workdir runs/d --json out.json
     python -m paragan_jax sample --workdir runs/d --out grid.png
     python -m paragan_jax bench --config ring8_cpu --seconds 20 --staleness 1,2,4 --json b.json
@@ -15,14 +16,25 @@ arguments override `paragan_jax.config.TrainConfig` fields (all listed in ``--he
 sample read the run's own ``<workdir>/config.yaml`` unless ``--config`` says otherwise. Bad input
 (unknown key, unreadable data, a batch that does not divide the data axis, a workdir that cannot
 be written, ...) raises `ConfigError` / `ValueError` / `OSError` before any training step, which
-the dispatcher prints as one line with exit status 2.
+the dispatcher prints as one line with exit status 2; so does a workdir another run holds.
+
+``train --num-processes N`` starts N local processes (`paragan_jax.distributed.launch`: CPU
+devices, ``jax.distributed`` with gloo on 127.0.0.1), each running this same ``train`` command
+with ``--process-id`` and ``--port``: the miniature of a pod's hosts (only process 0 prints,
+writes logs, TensorBoard and images; all save checkpoints). A SIGTERM, to a training process or
+to the launcher (which passes it on), saves a checkpoint at the step the processes agree on and
+exits 0. ``eval --json`` adds ``params_sha256``: the SHA-256 of every restored array, in tree
+order (two runs equal bit for bit have the same).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
+import signal
+import sys
 from pathlib import Path
 
 from absl import logging as absl_logging
@@ -31,10 +43,13 @@ from tapas_jax.commands import command_parser
 from tapas_jax.config import ConfigError
 
 from .bench import bench_command
+from .checkpoint import as_path
 from .config import TrainConfig, load_train_config
+from .distributed import WorkerFailed, initialize, launch
 from .pipeline import trainer_batch_iterator_factory
 from .storage import CongestionEpisodes, EmulatedRemoteStorage
 from .train import Trainer
+from .workdir import is_primary
 
 __all__ = ["main", "patient_cpu_collectives"]
 
@@ -89,9 +104,28 @@ def _train(argv: list[str]) -> int:
         "(paragan_jax.storage.EmulatedRemoteStorage: seeded latencies, congestion episodes)",
     )
     p.add_argument("--remote-seed", type=int, default=0, help="seed of the emulated store")
+    p.add_argument(
+        "--num-processes",
+        type=int,
+        default=1,
+        help="start this many local processes joined by jax.distributed (gloo on 127.0.0.1)",
+    )
+    p.add_argument(
+        "--devices-per-process", type=int, default=1, help="with --num-processes: CPU devices each"
+    )
+    p.add_argument("--process-id", type=int, help=argparse.SUPPRESS)  # set by the launcher
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true", help="log compile sizes and resumes")
     args = p.parse_intermixed_args(argv)
+    if args.num_processes < 1 or args.devices_per_process < 1:
+        raise ConfigError("--num-processes and --devices-per-process must be >= 1")
+    if args.num_processes > 1 and args.process_id is None:
+        return _launch_processes(argv, args.num_processes, args.devices_per_process)
+    if args.process_id is not None:
+        initialize(args.process_id, args.num_processes, args.port)
     setup_logging(args.verbose)
+    if not is_primary():
+        logging.getLogger("paragan_jax").setLevel(logging.WARNING)
     if args.emulate_remote and not args.adaptive_pipeline:
         raise ConfigError("--emulate-remote needs --adaptive-pipeline")
     overrides = list(args.overrides)
@@ -109,6 +143,15 @@ def _train(argv: list[str]) -> int:
         batch_iterator_factory=factory if args.adaptive_pipeline else None,
     )
     summary = trainer.train(seconds=args.seconds)
+    if not is_primary():
+        return 0
+    if summary["preempted_at"] is not None:
+        print(
+            f"SIGTERM: stopped at step {summary['preempted_at']} and saved a checkpoint there; "
+            "rerun the same command to resume"
+        )
+    if summary["resumed_from"] is not None:
+        print(f"resumed from step {summary['resumed_from']}")
     if summary["steps_run"] == 0:
         print(
             f"{cfg.name} is already at step {summary['step']} in {args.workdir}: nothing to "
@@ -120,7 +163,7 @@ def _train(argv: list[str]) -> int:
             f"{summary['steps_per_sec']:.1f} steps/s, compile {summary['compile_s']:.1f} s"
         )
         print("metrics: " + ", ".join(f"{k}={v:.4f}" for k, v in summary["metrics"].items()))
-    print(f"checkpoints: {Path(args.workdir) / 'checkpoints'}")
+    print(f"checkpoints: {args.workdir.rstrip('/')}/checkpoints")
     print(f"sample grid: {summary['sample_grid']}")
     if streams:
         pipe = streams[-1].pipeline
@@ -130,6 +173,28 @@ def _train(argv: list[str]) -> int:
             f"(cap {pipe.config.memory_cap_bytes / 2**20:.0f} MiB), input wait "
             f"{pipe.total_wait_s:.2f} s over {pipe.steps} batches"
         )
+    return 0
+
+
+def _launch_processes(argv: list[str], n: int, devices: int) -> int:
+    """``train --num-processes N``: this ``train`` command in N local processes; a SIGTERM or
+    Ctrl-C here is passed on to them (they save a checkpoint and exit 0)."""
+    procs: list = []
+
+    def forward(signum, frame):
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        launch(argv, n, devices, timeout_s=None, command="train", capture=False, started=procs)
+    except WorkerFailed as e:  # the worker printed its own error; the others were stopped
+        print(f"train --num-processes {n}: {e}", file=sys.stderr)
+        return e.returncode if e.returncode > 0 else 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 
@@ -159,7 +224,7 @@ def _restored_trainer(args) -> tuple[Trainer, int]:
     """The workdir's run (its ``config.yaml`` unless ``--config``) at its latest checkpoint."""
     config = args.config
     if config is None:
-        path = Path(args.workdir) / "config.yaml"
+        path = as_path(args.workdir) / "config.yaml"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: is {args.workdir!r} a paragan_jax workdir?")
         config = str(path)
@@ -180,7 +245,9 @@ def _eval(argv: list[str]) -> int:
     args = p.parse_intermixed_args(argv)
     setup_logging(False)
     trainer, _ = _restored_trainer(args)
-    text = json.dumps(trainer.evaluate(), indent=2)
+    out = trainer.evaluate()
+    out["params_sha256"] = trainer.state_sha256()
+    text = json.dumps(out, indent=2)
     print(text)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,7 @@ from .steps import compile_step, sample_images, stack_batches
 
 __all__ = [
     "ProcessPairRunner",
+    "WorkerFailed",
     "async_worker",
     "free_port",
     "initialize",
@@ -80,12 +81,22 @@ def initialize(process_id: int, num_processes: int, port: int) -> None:
     )
 
 
+class WorkerFailed(RuntimeError):
+    """A launched worker exited with a non-zero status (``returncode``) or timed out."""
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(message)
+        self.returncode = returncode
+
+
 def launch(
     worker_args: list[str],
     num_processes: int = 2,
     devices_per_process: int = 1,
-    timeout_s: float = 600.0,
+    timeout_s: float | None = 600.0,
     command: str = WORKER_COMMAND,
+    capture: bool = True,
+    started: list | None = None,
 ) -> list[subprocess.CompletedProcess]:
     """Runs ``python -m paragan_jax <command> --process-id i --num-processes N --port P
     <worker_args>`` for i in 0..N-1.
@@ -94,15 +105,19 @@ def launch(
       worker_args: arguments for every worker.
       num_processes: how many processes (one per device group).
       devices_per_process: simulated CPU devices per process.
-      timeout_s: kill the workers after this long.
+      timeout_s: kill the workers after this long (None: no limit).
       command: the internal command each process runs (its module's ``main`` must call
         `initialize`).
+      capture: capture the workers' stdout/stderr (else they write to this process's).
+      started: if given, the `subprocess.Popen` objects are appended to it as they start (so
+        a caller's signal handler can reach them).
 
     Returns:
-      The finished processes (stdout/stderr captured), in process order.
+      The finished processes (stdout/stderr captured, or None), in process order.
 
     Raises:
-      RuntimeError: a worker failed or timed out; its output is in the message.
+      WorkerFailed: a worker failed or timed out (its output is in the message when captured);
+        the others are then killed.
     """
     port = free_port()
     env = dict(os.environ)
@@ -111,45 +126,37 @@ def launch(
         " --xla_cpu_collective_call_terminate_timeout_seconds=900"
     )
     env["JAX_PLATFORMS"] = "cpu"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "paragan_jax",
-                command,
-                "--process-id",
-                str(i),
-                "--num-processes",
-                str(num_processes),
-                "--port",
-                str(port),
-                *worker_args,
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(num_processes)
-    ]
-    results = []
-    deadline = time.monotonic() + timeout_s
+    pipe = subprocess.PIPE if capture else None
+    procs = started if started is not None else []
+    for i in range(num_processes):
+        args = [sys.executable, "-m", "paragan_jax", command, "--process-id", str(i)]
+        args += ["--num-processes", str(num_processes), "--port", str(port), *worker_args]
+        procs.append(subprocess.Popen(args, env=env, stdout=pipe, stderr=pipe, text=True))
+    outputs: dict[int, tuple[str | None, str | None]] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
-        for i, p in enumerate(procs):
-            try:
-                out, err = p.communicate(timeout=max(deadline - time.monotonic(), 1.0))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"worker {i} timed out after {timeout_s:.0f} s") from None
-            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-            if p.returncode != 0:
-                raise RuntimeError(f"worker {i} exited with {p.returncode}:\n{err[-4000:]}")
+        while len(outputs) < num_processes:
+            for i, p in enumerate(procs):
+                if i in outputs:
+                    continue
+                try:
+                    outputs[i] = p.communicate(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    continue
+                if p.returncode != 0:
+                    err = outputs[i][1] or ""
+                    tail = f":\n{err[-4000:]}" if err else ""
+                    raise WorkerFailed(f"worker {i} exited with {p.returncode}{tail}", p.returncode)
+            if deadline is not None and time.monotonic() > deadline:
+                raise WorkerFailed(f"workers timed out after {timeout_s:.0f} s", 124)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return results
+    return [
+        subprocess.CompletedProcess(p.args, p.returncode, *outputs[i]) for i, p in enumerate(procs)
+    ]
 
 
 class ProcessPairRunner:

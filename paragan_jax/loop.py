@@ -82,7 +82,7 @@ def run_steps(
     steps: int,
     *,
     seconds: float | None = None,
-    on_step: Callable[[int, dict[str, Any]], None] | None = None,
+    on_step: Callable[[int, dict[str, Any]], bool | None] | None = None,
     block_each_step: bool = False,
 ) -> LoopStats:
     """Runs up to `steps` steps of `runner`.
@@ -94,7 +94,8 @@ def run_steps(
       steps: the most steps to run (0 runs none).
       seconds: stop once this much time has passed after the first (compiling) step.
       on_step: called after each step with the number of steps run so far in this call and the
-        step's metrics (logging, checkpoints, progress); the step may still be running.
+        step's metrics (logging, checkpoints, progress); the step may still be running. A true
+        result stops the loop after this step (a preemption notice).
       block_each_step: wait for every step and record its wall and CPU time.
 
     Returns:
@@ -118,9 +119,9 @@ def run_steps(
             jax.block_until_ready(in_flight)
         in_flight = metrics
         stats.steps += 1
-        if on_step is not None:
-            on_step(stats.steps, metrics)
         stop = stats.steps >= steps
+        if on_step is not None and on_step(stats.steps, metrics):
+            stop = True
         if stats.steps > 1 and seconds is not None and time.perf_counter() - t0 >= seconds:
             stop = True
         stop = runner.end_step(stop)

@@ -20,6 +20,7 @@ nearest mode, and a mode is *covered* when it receives at least ``min_share`` of
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import warnings
 from pathlib import Path
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from etils import epath
 from flax import nnx
 from scipy import linalg
 
@@ -242,19 +244,20 @@ def evaluate_samples(
 
 def save_sample_png(
     samples: np.ndarray,
-    path: str | Path,
+    path: str | os.PathLike,
     rows: int = 8,
     real: np.ndarray | None = None,
     title: str = "",
-) -> Path:
+) -> epath.Path:
     """Writes a square grid of images, or a scatter plot of 2-D points (with `real` behind)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = Path(path)
+    path = epath.Path(path)  # local or gs://
     path.parent.mkdir(parents=True, exist_ok=True)
+    png = io.BytesIO()
     if samples.ndim == 2:
         fig, ax = plt.subplots(figsize=(5, 5))
         if real is not None:
@@ -263,8 +266,9 @@ def save_sample_png(
         ax.set_aspect("equal")
         ax.legend(loc="upper right", markerscale=4)
         ax.set_title(title)
-        fig.savefig(path, dpi=100, bbox_inches="tight")
+        fig.savefig(png, format="png", dpi=100, bbox_inches="tight")
         plt.close(fig)
+        path.write_bytes(png.getvalue())
         return path
     n = rows * rows
     imgs = np.asarray(samples[:n])
@@ -278,5 +282,6 @@ def save_sample_png(
     grid = np.kron(grid, np.ones((scale, scale, 1), grid.dtype))
     if c == 1:
         grid = np.repeat(grid, 3, axis=-1)
-    plt.imsave(path, grid)
+    plt.imsave(png, grid, format="png")
+    path.write_bytes(png.getvalue())
     return path

@@ -310,6 +310,8 @@ class SyncRunner:
         """One process decides alone: the loop's decision stands."""
         return stop
 
+    optional_checkpoint_keys: tuple[str, ...] = ()  # every checkpoint has the whole state
+
     def checkpoint_tree(self) -> dict[str, Any]:
         return {"train": self.state}
 

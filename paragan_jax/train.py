@@ -7,6 +7,14 @@ around the loop needs: resume from the newest checkpoint, TensorBoard scalars, a
 periodic and final checkpoints, sample grids and offline metrics. Nothing else in the package
 imports it.
 
+Multi-host: with several processes joined by `jax.distributed` (a TPU pod slice, or
+``python -m paragan_jax train --num-processes N`` on one machine) every process runs the same
+Trainer on the global mesh and takes part in every checkpoint save and restore, while only process
+0 writes TensorBoard events, ``config.yaml``, sample grids, the progress bar and the lock file
+(`paragan_jax.workdir`). The workdir may be ``gs://bucket/run``. A SIGTERM stops the run at a step
+boundary agreed by all processes; the final checkpoint is saved at that step and ``train``
+returns ``preempted_at`` (the CLI exits 0; rerunning the command resumes there).
+
 Runner interface the Trainer relies on (beyond the loop's ``run_step`` / ``end_step``): ``step``
 (G steps done), ``fns`` (`paragan_jax.steps.GANFunctions`, for sampling), ``checkpoint_tree()``
 and ``load_checkpoint_tree(tree)`` (the checkpointed pytree), ``sampling_params()`` (EMA params
@@ -16,8 +24,8 @@ and G statistics) and ``close()``.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -30,37 +38,20 @@ from tapas_jax.config import ConfigError, config_to_dict
 from tapas_jax.mesh import make_mesh
 
 from .async_scheme import AsyncRunner, check_async_mesh
-from .checkpoint import CheckpointStore
+from .checkpoint import CheckpointStore, as_path, tree_sha256
 from .config import TrainConfig, validate_config
 from .data import PrefetchLoader, load_dataset
 from .loop import grouped, run_steps
 from .metrics import evaluate_samples, save_sample_png
 from .state import check_batch_divides
 from .steps import SyncRunner, sample_images
+from .workdir import PreemptionWatch, WorkdirLock, is_primary, prepare_workdir
 
-__all__ = ["BatchIteratorFactory", "Trainer", "prepare_workdir"]
+__all__ = ["BatchIteratorFactory", "Trainer"]
 
 log = logging.getLogger("paragan_jax")
 
 BatchIteratorFactory = Callable[..., Iterator[dict[str, np.ndarray]]]
-
-
-def prepare_workdir(workdir: str) -> Path:
-    """Creates `workdir` if needed and checks that files can be written in it.
-
-    Raises:
-      OSError: it cannot be created or written (the message names the workdir).
-    """
-    path = Path(workdir)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".paragan_write_test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        reason = e.strerror or type(e).__name__
-        raise OSError(f"workdir {workdir!r} is not a writable directory ({reason})") from None
-    return path
 
 
 class Trainer:
@@ -132,7 +123,7 @@ class Trainer:
 
     def train(self, steps: int | None = None, seconds: float | None = None) -> dict[str, Any]:
         """Trains up to `steps` G steps in total (default ``config.steps``), resuming if a
-        checkpoint exists in the workdir.
+        checkpoint exists in the workdir. Every process of a multi-process run calls it.
 
         Args:
           steps: total G steps to reach.
@@ -142,14 +133,41 @@ class Trainer:
         Returns:
           Summary: ``step``, ``resumed_from``, ``steps_run``, ``wall_s`` and ``steps_per_sec``
           (both excluding the first, compiling step), ``compile_s``, last ``metrics``,
-          ``sample_grid`` (PNG path or None).
+          ``sample_grid`` (PNG path or None), ``preempted_at`` (the step a SIGTERM stopped the
+          run at, else None).
 
         Raises:
-          OSError: the workdir cannot be created or written.
+          OSError: the workdir cannot be created or written, or another run holds it.
         """
+        workdir = prepare_workdir(self.workdir) if self.workdir else None
+        if workdir is None:
+            with PreemptionWatch() as watch:
+                return self._train(None, steps, seconds, watch)
+        with WorkdirLock(workdir), PreemptionWatch() as watch:
+            return self._train(workdir, steps, seconds, watch)
+
+    def _restore_into(self, store: CheckpointStore) -> dict[str, Any] | None:
+        runner = self.runner
+        restored = store.restore_latest(
+            runner.checkpoint_tree(), optional=runner.optional_checkpoint_keys
+        )
+        if restored is None:
+            return None
+        if restored["missing"]:
+            msg = (
+                f"checkpoint step {restored['step']} predates {restored['missing']} in "
+                "checkpoints: restored without them (rebuilt from the restored state), so this "
+                "resume is not bit for bit"
+            )
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            log.warning(msg)
+        runner.load_checkpoint_tree(restored["state"])
+        return restored
+
+    def _train(self, workdir, steps, seconds, watch: PreemptionWatch) -> dict[str, Any]:
         cfg = self.config
         total = cfg.steps if steps is None else steps
-        workdir = prepare_workdir(self.workdir) if self.workdir else None
+        primary = is_primary()
         self.runner = runner = self._make_runner()
         store = writer = None
         position, resumed = 0, None
@@ -158,35 +176,38 @@ class Trainer:
                 store = CheckpointStore(
                     workdir / "checkpoints", keep=cfg.checkpoint.keep, every=cfg.checkpoint.every
                 )
-                restored = store.restore_latest(runner.checkpoint_tree())
+                restored = self._restore_into(store)
                 if restored is not None:
-                    runner.load_checkpoint_tree(restored["state"])
                     position = int(restored["meta"]["data_position"])
                     resumed = restored["step"]
                     log.info("resumed from step %d (data position %d)", resumed, position)
-            writer = SummaryWriter(str(workdir / "tb"))
-            (workdir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            if primary:
+                writer = SummaryWriter(str(workdir / "tb"))
+                (workdir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         loader = self._iterator(position)
         start = runner.step
         bar = tqdm(
             total=total,
             initial=start,
-            disable=not self.progress,
+            disable=not (self.progress and primary),
             desc=cfg.name,
             unit="step",
             dynamic_ncols=True,
         )
 
-        def on_step(done: int, metrics: dict[str, jax.Array]) -> None:
+        def on_step(done: int, metrics: dict[str, jax.Array]) -> bool:
             step = start + done
             if writer is not None and (step % cfg.eval.log_every == 0 or step == total):
                 scalars = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 for k, v in scalars.items():
                     writer.add_scalar(f"train/{k}", v, step)
                 bar.set_postfix({k: f"{v:.3f}" for k, v in scalars.items()}, refresh=False)
+            bar.update(1)
+            if watch.should_stop(step):
+                return True  # the final save below writes this step
             if store is not None and store.should_save(step):
                 store.save(step, runner.checkpoint_tree(), self._meta(position + cfg.n_disc * done))
-            bar.update(1)
+            return False
 
         try:
             stats = run_steps(
@@ -205,11 +226,14 @@ class Trainer:
             if runner.step not in store.steps():
                 store.save(runner.step, runner.checkpoint_tree(), self._meta(position), force=True)
             store.close()
+        if watch.stopped_at is not None and primary:
+            log.warning("SIGTERM: stopped at step %d and saved a checkpoint", watch.stopped_at)
         grid = None
         if workdir is not None:
             grid = str(workdir / f"samples_step{runner.step}.png")
             self.sample_grid(grid)
-            writer.close()
+            if writer is not None:
+                writer.close()
         runner.close()
         return {
             "step": runner.step,
@@ -220,6 +244,7 @@ class Trainer:
             "steps_per_sec": stats.steps_per_sec,
             "metrics": {k: float(v) for k, v in jax.device_get(stats.metrics).items()},
             "sample_grid": grid,
+            "preempted_at": watch.stopped_at,
         }
 
     def samples(self, n: int | None = None, seed: int = 1234) -> np.ndarray:
@@ -231,32 +256,42 @@ class Trainer:
         return sample_images(self.runner.fns, params, stats, jax.random.PRNGKey(seed), n)
 
     def sample_grid(self, path: str, seed: int = 1234) -> str:
-        """Writes a sample grid (images) or scatter plot (mixtures) PNG; returns its path."""
+        """Writes a sample grid (images) or scatter plot (mixtures) PNG; returns its path.
+
+        Every process samples (the generator may be spread over them); process 0 writes."""
         rows = self.config.eval.grid_rows
         if self.dataset.is_mixture:
             pts = self.samples(2000, seed)
-            save_sample_png(
-                pts,
-                path,
-                real=self.dataset.images[:2000],
-                title=f"{self.config.name} step {self.runner.step}",
-            )
+            if is_primary():
+                save_sample_png(
+                    pts,
+                    path,
+                    real=self.dataset.images[:2000],
+                    title=f"{self.config.name} step {self.runner.step}",
+                )
         else:
-            save_sample_png(self.samples(rows * rows, seed), path, rows=rows)
+            grid = self.samples(rows * rows, seed)
+            if is_primary():
+                save_sample_png(grid, path, rows=rows)
         return path
 
     def restore(self) -> int:
         """Loads the latest checkpoint of the workdir (for eval/sample); returns its step."""
-        if not self.workdir or not (Path(self.workdir) / "checkpoints").is_dir():
+        ckpt = as_path(self.workdir) / "checkpoints" if self.workdir else None
+        if ckpt is None or not ckpt.is_dir():
             raise FileNotFoundError(f"no checkpoints under {self.workdir!r}")
         self.runner = self._make_runner()
-        store = CheckpointStore(Path(self.workdir) / "checkpoints")
-        restored = store.restore_latest(self.runner.checkpoint_tree())
+        store = CheckpointStore(ckpt)
+        restored = self._restore_into(store)
         store.close()
         if restored is None:
             raise FileNotFoundError(f"no readable checkpoint under {self.workdir!r}/checkpoints")
-        self.runner.load_checkpoint_tree(restored["state"])
         return restored["step"]
+
+    def state_sha256(self) -> str:
+        """SHA-256 over every array of the runner's checkpointed state, in tree order (two runs
+        that agree bit for bit give the same digest)."""
+        return tree_sha256(self.runner.checkpoint_tree())
 
     def evaluate(self, n: int | None = None) -> dict[str, Any]:
         """Offline metrics of the current generator (see `paragan_jax.metrics`)."""

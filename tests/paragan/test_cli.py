@@ -47,6 +47,8 @@ def test_train_eval_sample(tmp_path, capsys):
     for key in ("step", "fd", "kid", "classifier_score", "modes_covered", "high_quality_fraction"):
         assert key in metrics
     assert metrics["step"] == 3 and 0 <= metrics["modes_covered"] <= 8
+    digest = metrics["params_sha256"]
+    assert len(digest) == 64 and int(digest, 16) >= 0
 
     rc = cli.main(["sample", "--workdir", str(work), "--out", str(tmp_path / "g.png")])
     assert rc == 0 and Image.open(tmp_path / "g.png").size[0] > 100
