@@ -17,7 +17,8 @@ nothing.
 Beyond one axis: `torus_allreduce_seconds` prices an all-reduce over a whole 2-D torus slice
 (`torus_shape`) as reduce-scatter, all-reduce of the shard, all-gather; `compiled_collective_terms`
 re-prices the collectives counted in a compiled program (`tapas_jax.verification.count_collectives`)
-at another device count; `fit_alpha_beta` recovers ``alpha`` and ``W`` from timed all-reduces.
+at another device count; `op_seconds` prices one compiled collective on a torus slice;
+`fit_alpha_beta` recovers ``alpha`` and ``W`` from timed all-reduces.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "compiled_collective_terms",
     "fit_alpha_beta",
     "latency_hops",
+    "op_seconds",
     "torus_allreduce_seconds",
     "torus_shape",
 ]
@@ -125,6 +127,24 @@ def torus_allreduce_seconds(nbytes: float, chips: int, hardware: str | HardwareP
         + collective_seconds("all-reduce", nbytes / b, a, hardware)
         + collective_seconds("all-gather", nbytes, b, hardware)
     )
+
+
+def op_seconds(kind: str, nbytes: float, chips: int, hardware: str | HardwareProfile) -> float:
+    """Time of one compiled collective of `kind` over a 2-D torus slice of `chips`.
+
+    An all-reduce takes the torus algorithm (`torus_allreduce_seconds`); a collective-permute
+    sends its `nbytes` payload one hop over one link; the others take a ring over all the chips
+    (`collective_seconds`, an upper bound on a torus). `nbytes` is the larger side of the
+    collective (`paragan_jax.overlap.CollectiveOp.payload_bytes`).
+    """
+    if chips <= 1 or nbytes <= 0:
+        return 0.0
+    hw = get_profile(hardware)
+    if kind == "all-reduce":
+        return torus_allreduce_seconds(nbytes, chips, hw)
+    if kind == POINT_TO_POINT:
+        return nbytes / hw.ici_link_bandwidth + hw.collective_latency
+    return collective_seconds(kind, nbytes, chips, hw)
 
 
 def compiled_collective_terms(

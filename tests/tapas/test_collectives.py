@@ -8,6 +8,7 @@ from tapas_jax.collectives import (
     compiled_collective_terms,
     fit_alpha_beta,
     latency_hops,
+    op_seconds,
     torus_allreduce_seconds,
     torus_shape,
 )
@@ -154,3 +155,15 @@ def test_tpu_slice_rejects_unknown_types():
         tpu_slice("v9-8")
     with pytest.raises(ValueError, match="two per chip"):
         tpu_slice("v3-3")
+
+
+def test_op_seconds_prices_one_compiled_collective_on_a_torus():
+    hw = get_profile("tpu-v3")
+    assert op_seconds("all-reduce", 1e8, 1, hw) == 0.0
+    assert op_seconds("all-reduce", 1e8, 256, hw) == torus_allreduce_seconds(1e8, 256, hw)
+    # One hop over one link, whatever the slice.
+    permute = op_seconds("collective-permute", 1e6, 256, hw)
+    assert permute == pytest.approx(1e6 / hw.ici_link_bandwidth + hw.collective_latency)
+    assert op_seconds("all-gather", 1e6, 16, hw) == collective_seconds("all-gather", 1e6, 16, hw)
+    with pytest.raises(ValueError, match="unknown collective"):
+        op_seconds("broadcast", 1e6, 16, hw)
