@@ -54,6 +54,9 @@ class CacheSection:
     """Pages in device memory."""
     num_host_blocks: int = 256
     """Pages in host (pinned) memory for offload; 0 disables the host tier."""
+    enable_prefix_caching: bool = True
+    """Automatic prefix caching (serve_jax.kv_blocks): full pages stay findable by content, so
+    a shared, re-sent or resumed prefix is not prefilled again."""
 
 
 @dataclasses.dataclass(frozen=True)

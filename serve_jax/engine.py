@@ -213,6 +213,7 @@ class Engine:
             policy=self.policy,
             costs=self.costs,
             max_model_len=self.model_config.max_seq_len,
+            enable_prefix_caching=cc.enable_prefix_caching,
         )
         built = executor is None
         if built:

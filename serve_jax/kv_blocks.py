@@ -103,7 +103,8 @@ class BlockPool:
         # blocks freed by their last owner while pinned: returned to the free queue on last unpin
         self._released_when_unpinned: set[int] = set()
         self._hash_of: dict[int, bytes] = {}
-        self._block_of: dict[bytes, int] = {}
+        # hash -> blocks holding that prefix (a restored or recomputed copy may duplicate one)
+        self._blocks_of: dict[bytes, dict[int, None]] = {}
 
     @property
     def num_free(self) -> int:
@@ -142,8 +143,11 @@ class BlockPool:
             b = free.popitem(last=False)[0]
             if hash_of:
                 h = hash_of.pop(b, None)
-                if h is not None:
-                    del self._block_of[h]  # evicted from the prefix cache
+                if h is not None:  # evicted from the prefix cache
+                    copies = self._blocks_of[h]
+                    del copies[b]
+                    if not copies:
+                        del self._blocks_of[h]
             refs[b] = 1
             out.append(b)
         return out
@@ -208,16 +212,18 @@ class BlockPool:
         return block in self._hash_of
 
     def cached_block(self, block_hash: bytes) -> int | None:
-        """The block registered under ``block_hash``, or None."""
-        return self._block_of.get(block_hash)
+        """A block registered under ``block_hash`` (the first registered), or None."""
+        copies = self._blocks_of.get(block_hash)
+        return next(iter(copies)) if copies else None
 
     def register(self, block: int, block_hash: bytes) -> None:
-        """Registers the full, computed ``block`` under ``block_hash`` (first one wins)."""
-        if block_hash in self._block_of or block in self._hash_of:
+        """Registers the full, computed ``block`` under ``block_hash`` (a block keeps its first
+        hash; several blocks may hold one prefix, each findable until evicted)."""
+        if block in self._hash_of:
             return
         if self._refs.get(block, 0) <= 0:
             raise BlockAccountingError(f"{self.name} pool: registering unowned block {block}")
-        self._block_of[block_hash] = block
+        self._blocks_of.setdefault(block_hash, {})[block] = None
         self._hash_of[block] = block_hash
 
     def check(self, tables: dict[str, list[int]]) -> None:
@@ -243,9 +249,9 @@ class BlockPool:
             if self._pins.get(b, 0) <= 0:
                 raise BlockAccountingError(f"{self.name} pool: released block {b} not pinned")
         for b, h in self._hash_of.items():
-            if self._block_of.get(h) != b:
+            if b not in self._blocks_of.get(h, ()):
                 raise BlockAccountingError(f"{self.name} pool: cache maps of block {b} disagree")
-        if len(self._block_of) != len(self._hash_of):
+        if sum(len(c) for c in self._blocks_of.values()) != len(self._hash_of):
             raise BlockAccountingError(f"{self.name} pool: cache maps differ in size")
         total = len(free_set) + len(held) + len(self._released_when_unpinned)
         if total != self.num_blocks:

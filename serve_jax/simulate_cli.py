@@ -12,11 +12,19 @@ listed by ``--help``); its most used fields also have flags, as tapas_jax's ``pl
 (``--kv-memory-gb 16`` is ``kv_memory_gb=16``). The requests come from the
 workload flags every serve command shares (`serve_jax.cli_args`).
 
-Prints one row per policy (and the ratios of ``predictive`` to ``fcfs_last``), writes the rows
-as a JSON list (keys ``policy``, ``preemptions``, ``cascades``, ``p99_tpot_ms``,
-``p99_ttft_ms``, ``throughput_tok_s``, ``completed``, ``submitted`` first, then the other
-metrics; latencies in ms, as `serve_jax.metrics` reports them for every command) and a PNG next
-to it with the TPOT CDF of each policy and its cumulative preemptions over time.
+Every policy runs under the same scheduler rules (vLLM V1's: no admission in a step that
+preempted, automatic prefix caching; ``no_admission_after_preemption=false`` or
+``enable_prefix_caching=false`` switch them off for all). ``--policies`` takes the names of
+`serve_jax.preemption.POLICY_NAMES` (the default: the baselines ``fcfs_last``,
+``fcfs_last_offload``, ``fewest_output``, ``least_computed``, and ``predictive``) and the
+ablations ``predictive_nogate`` and ``predictive_recompute``.
+
+Prints one row per policy and the ratios of ``predictive`` to the best baseline of the run on
+each metric (and to ``fcfs_last``), writes the rows as a JSON list (keys ``policy``,
+``preemptions``, ``cascades``, ``p99_tpot_ms``, ``p99_ttft_ms``, ``throughput_tok_s``,
+``completed``, ``submitted``, ``rejected``, ``prefix_hit_rate`` first, then the other metrics;
+latencies in ms, as `serve_jax.metrics` reports them for every command) and a PNG next to it
+with the TPOT CDF of each policy and its cumulative preemptions over time.
 
 The check of the simulator against the real engine is its own command,
 ``python -m serve_jax crosscheck`` (`serve_jax.crosscheck_cli`), so this one never loads JAX.
@@ -30,13 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from serve_jax.cli_args import add_slo_args, add_workload_args, workload_config, write_json
-from serve_jax.preemption import POLICY_NAMES, make_policy
+from serve_jax.preemption import ABLATIONS, POLICY_NAMES, make_policy
 from serve_jax.simulator import SimConfig, SimulationResult, simulate
 from serve_jax.workloads import WorkloadConfig, build_workload
 from tapas_jax.commands import command_parser
 from tapas_jax.config import load_config, preset_path
 
-__all__ = ["main", "build_parser", "load_sim_config", "plot_results"]
+__all__ = ["main", "build_parser", "load_sim_config", "plot_results", "best_baseline_ratios"]
 
 _FLAGS = {
     "model": (str, "served model preset (llama-7b, llama-13b, llama3-8b, tiny, small)"),
@@ -68,11 +76,16 @@ def build_parser(prog: str = "simulate") -> argparse.ArgumentParser:
     p.add_argument(
         "--vllm-admission",
         action="store_true",
-        help="no admission in a step that preempted (vLLM V1's rule); same as "
-        "no_admission_after_preemption=true",
+        help="no admission in a step that preempted (vLLM V1's rule, the default for every "
+        "policy); same as no_admission_after_preemption=true",
     )
     add_workload_args(p, WorkloadConfig(name="reasoning"))
-    p.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated names")
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICY_NAMES),
+        help=f"comma-separated names: {', '.join(POLICY_NAMES)} (the default), ablations "
+        f"{', '.join(ABLATIONS)}",
+    )
     p.add_argument(
         "--gate-quantile",
         type=float,
@@ -138,7 +151,9 @@ def _print_table(results: list[SimulationResult]) -> None:
         ("throughput_tok_s", "tok/s"),
         ("wasted_recompute_tokens", "wasted_tok"),
         ("goodput_req_s", "goodput"),
+        ("prefix_hit_rate", "prefix_hit"),
         ("completed", "done"),
+        ("rejected", "rej"),
         ("submitted", "sub"),
         ("sim_wall_s", "wall_s"),
     ]
@@ -153,20 +168,51 @@ def _print_table(results: list[SimulationResult]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
 
 
+def _div(a: float, b: float) -> float:
+    return a / b if b else (math.inf if a else 1.0)
+
+
 def _ratios(results: list[SimulationResult]) -> dict[str, float] | None:
+    """``predictive`` against ``fcfs_last`` (None unless both ran)."""
     by = {r.policy: r.row() for r in results}
     if "predictive" not in by or "fcfs_last" not in by:
         return None
     p, f = by["predictive"], by["fcfs_last"]
-
-    def div(a: float, b: float) -> float:
-        return a / b if b else (math.inf if a else 1.0)
-
     return {
-        "preemption_reduction_x": div(f["preemptions"], p["preemptions"]),
-        "p99_tpot_reduction_x": div(f["p99_tpot_ms"], p["p99_tpot_ms"]),
-        "throughput_ratio": div(p["throughput_tok_s"], f["throughput_tok_s"]),
-        "p99_ttft_ratio": div(p["p99_ttft_ms"], f["p99_ttft_ms"]),
+        "preemption_reduction_x": _div(f["preemptions"], p["preemptions"]),
+        "p99_tpot_reduction_x": _div(f["p99_tpot_ms"], p["p99_tpot_ms"]),
+        "throughput_ratio": _div(p["throughput_tok_s"], f["throughput_tok_s"]),
+        "p99_ttft_ratio": _div(p["p99_ttft_ms"], f["p99_ttft_ms"]),
+    }
+
+
+def best_baseline_ratios(results: list[SimulationResult]) -> dict[str, Any] | None:
+    """``predictive`` against the best baseline of the run on each metric (the issue's goals:
+    preemptions and p99 TPOT reduction, throughput, goodput and p99 TTFT ratios), with the
+    baseline that was best; None unless ``predictive`` and a baseline ran."""
+    rows = [r.row() for r in results]
+    pred = next((r for r in rows if r["policy"] == "predictive"), None)
+    base = [r for r in rows if not r["policy"].startswith("predictive")]
+    if pred is None or not base:
+        return None
+
+    def best(key: str, lower: bool) -> dict[str, Any]:
+        return (min if lower else max)(base, key=lambda r: r[key])
+
+    b_pre, b_tpot = best("preemptions", True), best("p99_tpot_ms", True)
+    b_tput, b_good = best("throughput_tok_s", False), best("goodput_req_s", False)
+    b_ttft = best("p99_ttft_ms", True)
+    return {
+        "preemption_reduction_x": _div(b_pre["preemptions"], pred["preemptions"]),
+        "preemptions_best": b_pre["policy"],
+        "p99_tpot_reduction_x": _div(b_tpot["p99_tpot_ms"], pred["p99_tpot_ms"]),
+        "p99_tpot_best": b_tpot["policy"],
+        "throughput_ratio": _div(pred["throughput_tok_s"], b_tput["throughput_tok_s"]),
+        "throughput_best": b_tput["policy"],
+        "goodput_ratio": _div(pred["goodput_req_s"], b_good["goodput_req_s"]),
+        "goodput_best": b_good["policy"],
+        "p99_ttft_ratio": _div(pred["p99_ttft_ms"], b_ttft["p99_ttft_ms"]),
+        "p99_ttft_best": b_ttft["policy"],
     }
 
 
@@ -232,6 +278,12 @@ def main(argv: list[str]) -> int:
     ratios = _ratios(results)
     if ratios:
         print("predictive vs fcfs_last: " + ", ".join(f"{k} {_fmt(v)}" for k, v in ratios.items()))
+    vs_best = best_baseline_ratios(results)
+    if vs_best:
+        print(
+            "predictive vs the best baseline: "
+            + ", ".join(f"{k} {_fmt(v)}" for k, v in vs_best.items())
+        )
     for r in results:
         if r.predictor_error:
             e = r.predictor_error
@@ -253,6 +305,8 @@ def main(argv: list[str]) -> int:
             )
             if ratios and r.policy == "predictive":
                 row["vs_fcfs_last"] = ratios
+            if vs_best and r.policy == "predictive":
+                row["vs_best_baseline"] = vs_best
             rows.append(row)
         path = Path(args.json)
         png = Path(args.png) if args.png else path.with_suffix(".png")

@@ -118,7 +118,7 @@ def test_request_that_cannot_fit_is_rejected_and_counted():
 
 
 def test_sglang_throttle_is_what_spares_fewest_output_its_preemptions():
-    """Without its new_token_ratio throttle, SGLang's victim order preempts on the small workload."""
+    """Without its new_token_ratio throttle, SGLang's victims preempt on the small workload."""
     wl = small_workload()
     bare = simulate(wl, FewestOutputPolicy(throttle=False), TINY)
     assert bare.preemptions > 0 and bare.completed == len(wl.requests)

@@ -19,22 +19,29 @@ def test_simulate_writes_rows_and_png(tmp_path, capsys):
     csv.write_text("\n".join(rows) + "\n")
     out = tmp_path / "out.json"
     rc = main(
-        ["simulate", "--workload", str(csv), "--policies", "fcfs_last,predictive",
+        ["simulate", "--workload", str(csv), "--policies", "fcfs_last,fcfs_last_offload,predictive",
          "--kv-memory-gb", "0.1", "--rate-scale", "20", "--json", str(out)]
     )  # fmt: skip
     assert rc == 0
     data = json.loads(out.read_text())
-    assert [r["policy"] for r in data] == ["fcfs_last", "predictive"]
+    assert [r["policy"] for r in data] == ["fcfs_last", "fcfs_last_offload", "predictive"]
     for r in data:
         for key in ("policy", "preemptions", "cascades", "p99_tpot_ms", "p99_ttft_ms",
-                    "throughput_tok_s", "completed", "submitted"):  # fmt: skip
+                    "throughput_tok_s", "completed", "submitted", "rejected",
+                    "prefix_hit_rate"):  # fmt: skip
             assert key in r
         assert r["tpot_ms"]["p99"] == r["p99_tpot_ms"] > 0  # serve_jax.metrics, in ms
-        assert r["completed"] == r["submitted"] == 12
-    assert "vs_fcfs_last" in data[1]
+        assert r["completed"] == r["submitted"] == 12 and r["rejected"] == 0
+        assert 0.0 <= r["prefix_hit_rate"] < 1.0
+    assert "vs_fcfs_last" in data[2]
+    vs_best = data[2]["vs_best_baseline"]
+    best_tpot = min(data[:2], key=lambda r: r["p99_tpot_ms"])
+    assert vs_best["p99_tpot_best"] == best_tpot["policy"]
+    assert vs_best["p99_tpot_reduction_x"] == best_tpot["p99_tpot_ms"] / data[2]["p99_tpot_ms"]
     assert (tmp_path / "out.png").stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "fcfs_last" in printed and "predictive vs fcfs_last" in printed
+    assert "predictive vs the best baseline" in printed
 
 
 def test_unknown_policy_is_an_error(tmp_path):
