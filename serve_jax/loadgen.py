@@ -5,7 +5,8 @@
 * `http_bench`: replays a trace against a running server's ``/v1/completions`` with streaming,
   timing each streamed token on the client (what vLLM's ``benchmark_serving`` measures).
 * `decode_step_benchmark` / `offload_overlap_benchmark`: step-time comparisons for BENCHMARKS.md
-  (paged against dense decode; decode with a 10%-of-pages offload in flight against none).
+  (paged against dense decode; runs of offload steps at 10%, 25% and 50% of the pages against
+  runs of plain steps, overlapped and serial).
 * `generate_benchmark`: the whole Engine generating for a fixed batch of prompts, timed the way
   the Hugging Face ``generate`` peer is (``scripts/hf_generate_baseline.py``, same shape).
 
@@ -336,20 +337,91 @@ def decode_step_benchmark(
     }
 
 
+def _offload_runs(
+    graphdef,
+    params,
+    cfg,
+    host,
+    tables_shape,
+    block_size,
+    fraction,
+    context,
+    steps,
+    run_length,
+    seed,
+) -> dict:
+    """One fraction of `offload_overlap_benchmark`: median step time of each kind of run."""
+    used = tables_shape[0] * tables_shape[1]
+    n_off = max(1, round(fraction * used))
+    num_blocks = used + n_off
+    perm = np.random.default_rng(seed).permutation(num_blocks)
+    tables = jnp.asarray(perm[:used].reshape(tables_shape), jnp.int32)
+    pairs = [(int(d), i) for i, d in enumerate(perm[used:])]
+    decode = _greedy_paged_decode(graphdef, params, tables)
+    state = dict(zip(("k", "v"), make_kv_pools(cfg, num_blocks, block_size)))
+
+    def step(offload: bool, wait_own: bool) -> None:
+        toks, state["k"], state["v"] = decode(state["k"], state["v"], context)
+        if offload:
+            host.complete()  # the previous step's copy (none in a serial run)
+            host.offload(state["k"], state["v"], pairs)
+            if wait_own:
+                host.complete()
+        np.asarray(toks)
+
+    def run(kind: str) -> None:
+        for _ in range(run_length):
+            step(kind != "plain", kind == "serial")
+        host.complete()
+
+    kinds = ("plain", "overlapped", "serial")
+    for kind in kinds:  # compile and warm up
+        run(kind)
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(steps):
+        for kind in kinds:
+            times[kind] += _time_loop(functools.partial(run, kind), 1, warmup=0)
+    plain, over, serial = (float(np.median(times[k])) / run_length for k in kinds)
+    return {
+        "fraction": fraction,
+        "pages_offloaded_per_step": n_off,
+        "offload_bytes_per_step": n_off * block_size * cfg.kv_bytes_per_token(),
+        "plain_step_ms": plain * 1e3,
+        "offload_step_ms": over * 1e3,
+        "serial_offload_step_ms": serial * 1e3,
+        "offload_over_plain": over / plain,
+        "serial_over_plain": serial / plain,
+        "copy_ms": (serial - plain) * 1e3,
+    }
+
+
 def offload_overlap_benchmark(
     preset: str = "small",
     batch: int = 16,
     context: int = 256,
     block_size: int = 16,
-    offload_fraction: float = 0.1,
+    fractions: tuple[float, ...] = (0.1, 0.25, 0.5),
     steps: int = 20,
+    run_length: int = 4,
     seed: int = 0,
 ) -> dict:
-    """Decode step time while ``offload_fraction`` of the pages are being offloaded, vs none.
+    """Decode step time in runs of consecutive offload steps against runs of plain steps.
 
-    Each offload step dispatches the decode, then issues the offload (gather + asynchronous
-    device_put to pinned_host) of pages the running batch does not use, exactly as the
-    executor does, and waits for the previous step's copy after dispatching the next step.
+    For each fraction ``f`` of the pages in use, the pool holds the batch's pages plus ``f`` of
+    them more: the pages a victim gives back, offloaded (gather + asynchronous ``device_put`` to
+    pinned host memory, as the executor does) once per offload step. Three kinds of run of
+    ``run_length`` consecutive steps are timed, interleaved so machine noise hits all alike,
+    each over ``steps`` repetitions (median step time = run time / ``run_length``):
+
+    * ``plain``: decode steps, no copy anywhere in the run;
+    * ``overlapped``: each step dispatches its decode, waits for the previous step's copy (which
+      ran alongside this step's compute, as in the executor), then issues its own; the run's
+      last copy is waited for inside the run, so a run pays for every copy it issues;
+    * ``serial``: each step waits for its own copy before the next starts (compute + copy: the
+      cost of a copy that nothing hides).
+
+    Returns the 10% figures at the top level (the keys ``bench --micro offload`` prints) and
+    every fraction under ``fractions``.
     """
 
     cfg = get_model_config(preset, max_seq_len=context + steps + 8)
@@ -358,43 +430,37 @@ def offload_overlap_benchmark(
     max_len = context + 2 * steps + 8
     blocks_per_seq = -(-max_len // block_size)
     used = batch * blocks_per_seq
-    n_off = max(1, round(offload_fraction * used))
-    num_blocks = used + n_off
-    rng = np.random.default_rng(seed)
-    perm = rng.permutation(num_blocks)
-    tables = jnp.asarray(perm[:used].reshape(batch, blocks_per_seq), jnp.int32)
-    victim_pages = [int(x) for x in perm[used:]]
-    k_pool, v_pool = make_kv_pools(cfg, num_blocks, block_size)
+    tables_shape = (batch, blocks_per_seq)
     host = HostKVTier(jax.devices()[0])
-    decode = _greedy_paged_decode(graphdef, params, tables)
-    state = {"pos": context, "k": k_pool, "v": v_pool}
-
-    def step(offload: bool):
-        toks, state["k"], state["v"] = decode(state["k"], state["v"], state["pos"])
-        host.complete()
-        if offload:
-            host.offload(state["k"], state["v"], [(d, i) for i, d in enumerate(victim_pages)])
-        np.asarray(toks)
-
-    step(False), step(True), step(False), step(True)
-    host.complete()
-    t_none, t_off = [], []
-    for _ in range(steps):
-        t_none += _time_loop(lambda: step(False), 1, warmup=0)
-        t_off += _time_loop(lambda: step(True), 1, warmup=0)
-    host.complete()
-    a, b = float(np.median(t_none)), float(np.median(t_off))
-    page_bytes = block_size * cfg.kv_bytes_per_token()
+    rows = [
+        _offload_runs(
+            graphdef,
+            params,
+            cfg,
+            host,
+            tables_shape,
+            block_size,
+            fraction,
+            context,
+            steps,
+            run_length,
+            seed,
+        )
+        for fraction in fractions
+    ]
+    head = rows[0]
     return {
         "preset": preset,
         "batch": batch,
         "context": context,
         "pages_in_use": used,
-        "pages_offloaded_per_step": n_off,
-        "offload_bytes_per_step": n_off * page_bytes,
+        "run_length": run_length,
         "host_memory_kind": host.memory_kind,
-        "no_offload_step_ms": a * 1e3,
-        "offload_step_ms": b * 1e3,
-        "offload_over_none": b / a,
+        "pages_offloaded_per_step": head["pages_offloaded_per_step"],
+        "offload_bytes_per_step": head["offload_bytes_per_step"],
+        "no_offload_step_ms": head["plain_step_ms"],
+        "offload_step_ms": head["offload_step_ms"],
+        "offload_over_none": head["offload_over_plain"],
+        "fractions": rows,
         "backend": jax.default_backend(),
     }
