@@ -48,15 +48,30 @@ def _add_policy_flag(p) -> None:
     p.add_argument("--policy", default=None, help="victim policy; same as scheduler.policy=...")
 
 
+def _add_model_flag(p) -> None:
+    p.add_argument(
+        "--model",
+        dest="hf_model",
+        default=None,
+        metavar="DIR",
+        help="a Hugging Face checkpoint: directory, cache folder or cached repo id (never "
+        "downloaded); same as model.path=DIR model.name=DIR",
+    )
+
+
 def _engine_config(args) -> EngineConfig:
-    """The engine config of ``--config`` (default cpu_demo), ``--policy`` and the overrides."""
-    overrides = [f"scheduler.policy={args.policy}"] if args.policy else []
+    """The engine config of ``--config`` (default cpu_demo), ``--model``, ``--policy`` and the
+    overrides (which win)."""
+    model = getattr(args, "hf_model", None)
+    overrides = [f"model.path={model}", f"model.name={model}"] if model else []
+    overrides += [f"scheduler.policy={args.policy}"] if args.policy else []
     return load_engine_config(args.config or "cpu_demo", overrides + list(args.overrides))
 
 
 def _replay(argv: list[str]) -> int:
     p = _engine_parser("replay", "Run the engine offline on a workload; print its metrics.")
     _add_policy_flag(p)
+    _add_model_flag(p)
     add_workload_args(p, _TRACE_DEFAULTS)
     add_slo_args(p, 2000.0, 200.0)
     p.add_argument("--json", default=None, help="write the summary here")
@@ -70,7 +85,8 @@ def _replay(argv: list[str]) -> int:
         wcfg, max_prompt=max_prompt, max_output=engine.max_model_len - max_prompt
     )
     print(
-        f"replaying {len(workload.requests)} requests of {workload.name} on {cfg.model.preset} "
+        f"replaying {len(workload.requests)} requests of {workload.name} on "
+        f"{cfg.model.path or cfg.model.preset} "
         f"(policy {engine.policy.name}, {cfg.cache.num_device_blocks} device pages)",
         flush=True,
     )
@@ -241,6 +257,7 @@ def _serve(argv: list[str]) -> int:
     p.add_argument("--host", default=None, help="bind address; same as server.host=...")
     p.add_argument("--port", type=int, default=None, help="TCP port; same as server.port=...")
     _add_policy_flag(p)
+    _add_model_flag(p)
     args = p.parse_args(argv)
     cfg = _engine_config(args)
     run_server(cfg, host=args.host, port=args.port)

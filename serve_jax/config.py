@@ -30,14 +30,18 @@ class ModelSection:
 
     preset: str = "tiny"
     """Model preset of `serve_jax.model_config.PRESETS` (tiny, small, llama-7b, ...)."""
-    dtype: str = "float32"
-    """Parameter dtype (float32 on CPU, bfloat16 on accelerators)."""
+    path: str | None = None
+    """A Hugging Face checkpoint: a local directory with config.json, a cache folder
+    (models--org--name) or a repository id already in the local cache; replaces preset,
+    checkpoint and (unless set) tokenizer. ``serve --model DIR`` sets it."""
+    dtype: str = "auto"
+    """Parameter dtype: float32, bfloat16, float16, or auto (float32 on CPU, else bfloat16)."""
     seed: int = 0
     """Random-init seed (when no checkpoint is given)."""
     checkpoint: str | None = None
     """A safetensors file written by serve_jax.model.save_safetensors; None: random init."""
     tokenizer: str | None = None
-    """A local tokenizer.json; None: the byte tokenizer."""
+    """A local tokenizer.json or model directory; None: the model path's, else the byte one."""
     max_seq_len: int | None = None
     """Override of the preset's context length."""
     name: str = "serve-jax"

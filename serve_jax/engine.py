@@ -10,7 +10,11 @@
 
 `Engine` is `serve_jax.core.EngineCore` (the one ``schedule -> execute -> update_from_output``
 loop, shared with the simulator) plus a tokenizer, a detokenizer and text: `Engine.step` runs one
-core step, then turns sampled ids into text, applies stop strings, and returns what is new. The
+core step, then turns each request's new ids into text incrementally (one decode step per token,
+`serve_jax.tokenizer.Tokenizer.decoder`), applies stop strings, and returns what is new. A
+request stops at any of the tokenizer's EOS ids (unless ``ignore_eos``); the EOS is not text.
+The model is a preset with random or own-format weights, or a Hugging Face checkpoint
+(``model.path``: `serve_jax.hf_config`, `serve_jax.hf_checkpoint`). The
 executor is the JAX one (`serve_jax.executor.JaxExecutor`, built from the config) unless one is
 passed in (``executor=``, e.g. the simulator's). It is single-threaded; the HTTP server drives it
 from one background thread (`serve_jax.server.EngineLoop`). Time comes from an injectable clock
@@ -29,8 +33,10 @@ import jax
 from serve_jax.config import EngineConfig
 from serve_jax.core import EngineCore, StepOutput
 from serve_jax.executor import JaxExecutor
+from serve_jax.hf_checkpoint import load_hf_model
+from serve_jax.hf_config import hf_model_config, resolve_model_dir
 from serve_jax.model import init_model, load_safetensors
-from serve_jax.model_config import get_model_config
+from serve_jax.model_config import ModelConfig, get_model_config
 from serve_jax.preemption import get_policy
 from serve_jax.sampling import SamplingParams
 from serve_jax.scheduler import (
@@ -43,7 +49,7 @@ from serve_jax.scheduler import (
     Scheduler,
     VictimPolicy,
 )
-from serve_jax.tokenizer import load_tokenizer
+from serve_jax.tokenizer import IncrementalDecoder, load_tokenizer
 from tapas_jax.hardware import profile_for_device
 from tapas_jax.mesh import make_mesh
 
@@ -145,9 +151,33 @@ def resolve_policy(name: str, mode: str = "recompute") -> VictimPolicy:
 class _Tracked:
     request: Request
     params: SamplingParams
+    decoder: IncrementalDecoder
     text: str = ""
+    """Decoded output text (cut at a stop string once one is found)."""
+    decoded: int = 0
+    """Output tokens fed to the decoder."""
     sent_text: int = 0
     sent_tokens: int = 0
+
+
+def _serving_dtype(dtype: str) -> str:
+    """``auto``: float32 on CPU, bfloat16 on accelerators; other names pass through."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def _model_config(mc) -> ModelConfig:
+    """The `ModelConfig` of a `serve_jax.config.ModelSection` (HF config.json or a preset)."""
+    dtype = _serving_dtype(mc.dtype)
+    if mc.path:
+        if mc.checkpoint:
+            raise ValueError("model.path and model.checkpoint exclude each other; set one")
+        return hf_model_config(mc.path, dtype, mc.max_seq_len)
+    overrides = {"dtype": dtype}
+    if mc.max_seq_len:
+        overrides["max_seq_len"] = mc.max_seq_len
+    return get_model_config(mc.preset, **overrides)
 
 
 class Engine:
@@ -177,13 +207,13 @@ class Engine:
         costs: CostHints | None = None,
     ):
         self.config = config or EngineConfig()
-        mc = self.config.model
+        mc, ec = self.config.model, self.config.executor
+        mesh = _make_mesh(ec.mesh) if executor is None else None
         if model is None:
-            overrides = {"dtype": mc.dtype}
-            if mc.max_seq_len:
-                overrides["max_seq_len"] = mc.max_seq_len
-            model_config = get_model_config(mc.preset, **overrides)
-            if executor is None:
+            model_config = _model_config(mc)
+            if executor is None and mc.path:
+                model = load_hf_model(mc.path, model_config, mesh, ec.plan_memory_limit_bytes)
+            elif executor is None:
                 model = init_model(model_config, mc.seed)
                 if mc.checkpoint:
                     load_safetensors(model, mc.checkpoint)
@@ -191,7 +221,10 @@ class Engine:
             model_config = model.cfg
         self.model = model
         self.model_config = model_config
-        self.tokenizer = tokenizer or load_tokenizer(mc.tokenizer)
+        if tokenizer is None:
+            source = mc.tokenizer or (str(resolve_model_dir(mc.path)) if mc.path else None)
+            tokenizer = load_tokenizer(source)
+        self.tokenizer = tokenizer
         if self.tokenizer.vocab_size > self.model_config.vocab_size:
             raise ValueError(
                 f"tokenizer has {self.tokenizer.vocab_size} ids, model vocab_size is "
@@ -217,7 +250,6 @@ class Engine:
         )
         built = executor is None
         if built:
-            ec = self.config.executor
             executor = JaxExecutor(
                 model,
                 cc.num_device_blocks,
@@ -227,7 +259,7 @@ class Engine:
                 prefill_rows=ec.prefill_rows,
                 min_chunk=ec.min_chunk,
                 min_table_blocks=ec.min_table_blocks,
-                mesh=_make_mesh(ec.mesh),
+                mesh=mesh,
                 plan_memory_limit_bytes=ec.plan_memory_limit_bytes,
             )
         observers = [costs.observe_step] if isinstance(costs, MeasuredCostHints) else []
@@ -289,8 +321,7 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self._tracked:
             raise ValueError(f"duplicate request id {rid!r}")
-        eos = getattr(self.tokenizer, "eos_id", None)
-        stop_ids = frozenset() if params.ignore_eos or eos is None else frozenset({eos})
+        stop_ids = frozenset() if params.ignore_eos else self.tokenizer.eos_ids
         req = Request(
             rid,
             ids,
@@ -300,7 +331,7 @@ class Engine:
             sampling=params,
         )
         self.scheduler.add_request(req)
-        self._tracked[rid] = _Tracked(req, params)
+        self._tracked[rid] = _Tracked(req, params, self.tokenizer.decoder(ids))
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -340,35 +371,44 @@ class Engine:
         ids = req.output_token_ids
         finished = req.status.finished
         status = req.status
-        visible = list(ids)
-        eos = getattr(self.tokenizer, "eos_id", None)
-        if status == RequestStatus.FINISHED_STOPPED and visible and visible[-1] == eos:
-            visible = visible[:-1]
-        text = self.tokenizer.decode(visible)
-        if tracked.params.stop:
-            hits = [text.find(s) for s in tracked.params.stop]
-            hits = [h for h in hits if h >= 0]
+        end = len(ids)
+        if status == RequestStatus.FINISHED_STOPPED and ids and ids[-1] in req.stop_token_ids:
+            end -= 1  # the EOS ends the text; it is not part of it
+        old_len = len(tracked.text)
+        if tracked.decoded < end:
+            step = tracked.decoder.step
+            tracked.text += "".join(step(t) for t in ids[tracked.decoded : end])
+            tracked.decoded = end
+        if finished:
+            tracked.text += tracked.decoder.flush()
+        stops = tracked.params.stop
+        longest = max(map(len, stops)) if stops else 0
+        if stops:
+            # Only text that is new (plus what a stop string straddling it needs) is searched.
+            start = max(0, old_len - longest + 1)
+            hits = [h for h in (tracked.text.find(s, start) for s in stops) if h >= 0]
             if hits:
-                text = text[: min(hits)]
+                tracked.text = tracked.text[: min(hits)]
                 if not finished:
                     self.scheduler.finish_request(
                         req.request_id, RequestStatus.FINISHED_STOPPED, self.clock()
                     )
                     finished, status = True, RequestStatus.FINISHED_STOPPED
-        # Hold back an incomplete UTF-8 sequence until its last byte arrives.
-        stable = text if finished or not text.endswith("\ufffd") else text.rstrip("\ufffd")
-        new_text = stable[tracked.sent_text :] if len(stable) >= tracked.sent_text else ""
-        tracked.sent_text = max(tracked.sent_text, len(stable))
+        # Hold back what may be the start of a stop string until the next tokens decide it.
+        stable = len(tracked.text)
+        if stops and not finished:
+            stable = max(tracked.sent_text, stable - longest + 1)
+        new_text = tracked.text[tracked.sent_text : stable]
+        tracked.sent_text = stable
         new_ids = tuple(ids[tracked.sent_tokens :])
         tracked.sent_tokens = len(ids)
-        tracked.text = stable
         if finished:
             self._tracked.pop(req.request_id, None)
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=tuple(req.prompt_token_ids),
             token_ids=tuple(ids),
-            text=stable,
+            text=tracked.text[:stable],
             new_token_ids=new_ids,
             new_text=new_text,
             finished=finished,

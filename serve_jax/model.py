@@ -1,5 +1,9 @@
 """Llama-style decoder in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
+One module serves Llama 2/3, Mistral and Qwen2 checkpoints: optional q/k/v biases (Qwen2), an LM
+head tied to the embedding or not, and RoPE with Llama 3's frequency scaling
+(`rope_inv_freq`). Hugging Face checkpoints are read by `serve_jax.hf_checkpoint`.
+
 The model never owns a KV cache. Each attention layer computes q, k, v (RoPE applied) and hands
 them to a cache view (`serve_jax.kv_cache.PagedKVView` for serving, `DenseKVView` for the unpaged
 reference), which writes k and v where they belong and returns the attention output. So one set of
@@ -12,6 +16,7 @@ disk (`load_safetensors`); nothing is downloaded.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Protocol
 
@@ -31,6 +36,7 @@ __all__ = [
     "load_safetensors",
     "save_safetensors",
     "apply_rope",
+    "rope_inv_freq",
 ]
 
 
@@ -40,11 +46,34 @@ class KVView(Protocol):
     def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array: ...
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding (half-split layout). x: [B, T, H, D]; positions: [B, T]."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+@functools.cache
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies [head_dim / 2] (float32), with Llama 3 scaling when configured.
+
+    The same arithmetic, in float32, as transformers' default and ``llama3`` rope types.
+    """
+    d = cfg.head_dim
+    exponent = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
+    inv_freq = np.float32(1.0) / np.power(np.float32(cfg.rope_theta), exponent)
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq.astype(np.float32)
+    f = np.float32
+    low_wavelen = f(rs.original_max_position_embeddings / rs.low_freq_factor)
+    high_wavelen = f(rs.original_max_position_embeddings / rs.high_freq_factor)
+    wavelen = f(2 * np.pi) / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / f(rs.factor), inv_freq)
+    smooth = (f(rs.original_max_position_embeddings) / wavelen - f(rs.low_freq_factor)) / (
+        f(rs.high_freq_factor) - f(rs.low_freq_factor)
+    )
+    smoothed = (1 - smooth) * scaled / f(rs.factor) + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding (half-split layout). x: [B, T, H, D]; positions: [B, T]; inv_freq [D/2]."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, D/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -63,11 +92,13 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def _linear(din: int, dout: int, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Linear:
+def _linear(
+    din: int, dout: int, cfg: ModelConfig, rngs: nnx.Rngs, bias: bool = False
+) -> nnx.Linear:
     return nnx.Linear(
         din,
         dout,
-        use_bias=False,
+        use_bias=bias,
         dtype=jnp.dtype(cfg.dtype),
         param_dtype=jnp.dtype(cfg.dtype),
         kernel_init=nnx.initializers.normal(stddev=din**-0.5),
@@ -79,9 +110,10 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
         self.cfg = cfg
         self.layer = layer
-        self.q_proj = _linear(cfg.d_model, cfg.n_heads * cfg.head_dim, cfg, rngs)
-        self.k_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs)
-        self.v_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs)
+        bias = cfg.qkv_bias
+        self.q_proj = _linear(cfg.d_model, cfg.n_heads * cfg.head_dim, cfg, rngs, bias)
+        self.k_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs, bias)
+        self.v_proj = _linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg, rngs, bias)
         self.o_proj = _linear(cfg.n_heads * cfg.head_dim, cfg.d_model, cfg, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, kv: KVView) -> jax.Array:
@@ -90,8 +122,9 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(b, t, c.n_heads, c.head_dim)
         k = self.k_proj(x).reshape(b, t, c.n_kv_heads, c.head_dim)
         v = self.v_proj(x).reshape(b, t, c.n_kv_heads, c.head_dim)
-        q = apply_rope(q, positions, c.rope_theta)
-        k = apply_rope(k, positions, c.rope_theta)
+        inv_freq = rope_inv_freq(c)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
         out = kv.attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(b, t, c.n_heads * c.head_dim))
 
@@ -119,7 +152,7 @@ class Block(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """The language model: embed, blocks, final norm, untied LM head."""
+    """The language model: embed, blocks, final norm, LM head (or the tied embedding)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -133,7 +166,9 @@ class Decoder(nnx.Module):
         )
         self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, jnp.dtype(cfg.dtype))
-        self.lm_head = _linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
+        self.lm_head = (
+            None if cfg.tie_embeddings else _linear(cfg.d_model, cfg.vocab_size, cfg, rngs)
+        )
 
     def hidden(self, tokens: jax.Array, positions: jax.Array, kv: KVView) -> jax.Array:
         """Final hidden states [B, T, D] of ``tokens`` [B, T] at ``positions`` [B, T]."""
@@ -144,6 +179,8 @@ class Decoder(nnx.Module):
 
     def logits(self, h: jax.Array) -> jax.Array:
         """LM-head logits in float32."""
+        if self.lm_head is None:
+            return self.embed.attend(h).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, kv: KVView) -> jax.Array:

@@ -14,10 +14,35 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["ModelConfig", "PRESETS", "DTYPE_BYTES", "get_model_config"]
+__all__ = ["ModelConfig", "RopeScaling", "PRESETS", "DTYPE_BYTES", "get_model_config"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of the parameter dtypes a model may use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's RoPE frequency scaling (``rope_scaling`` of type ``llama3`` in a config.json)."""
+
+    factor: float
+    """Long wavelengths are divided by this."""
+    low_freq_factor: float
+    """Wavelengths above ``original_max_position_embeddings / low_freq_factor`` are scaled."""
+    high_freq_factor: float
+    """Wavelengths below ``original_max_position_embeddings / high_freq_factor`` are kept."""
+    original_max_position_embeddings: int
+    """Context length the model was pre-trained with."""
+
+    def __post_init__(self):
+        if self.factor <= 0 or self.original_max_position_embeddings <= 0:
+            raise ValueError(
+                "rope_scaling: factor and original_max_position_embeddings must be > 0"
+            )
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"rope_scaling: high_freq_factor ({self.high_freq_factor}) must exceed "
+                f"low_freq_factor ({self.low_freq_factor})"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +65,12 @@ class ModelConfig:
     """SwiGLU hidden width."""
     rope_theta: float = 10000.0
     """RoPE base."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3 frequency scaling of RoPE; None: plain RoPE."""
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2)."""
+    tie_embeddings: bool = False
+    """The LM head is the transposed token embedding (no separate lm_head weight)."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     max_seq_len: int = 512
@@ -67,11 +98,14 @@ class ModelConfig:
         return DTYPE_BYTES[self.dtype]
 
     def num_params(self) -> int:
-        """Parameter count from the shapes (norms and both embeddings included)."""
+        """Parameter count from the shapes (norms, biases and the embedding(s) included)."""
         d, h, kv, hd = self.d_model, self.n_heads, self.n_kv_heads, self.head_dim
         attn = d * h * hd * 2 + d * kv * hd * 2
+        if self.qkv_bias:
+            attn += (h + 2 * kv) * hd
         mlp = 3 * d * self.ffn_dim
-        return self.n_layers * (attn + mlp + 2 * d) + 2 * self.vocab_size * d + d
+        embeddings = (1 if self.tie_embeddings else 2) * self.vocab_size * d
+        return self.n_layers * (attn + mlp + 2 * d) + embeddings + d
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers."""

@@ -200,11 +200,6 @@ class ChatRequest(_Base):
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
-def _chat_prompt(messages: list[ChatMessage]) -> str:
-    parts = [f"<|{m.role}|>\n{m.content}\n" for m in messages]
-    return "".join(parts) + "<|assistant|>\n"
-
-
 def _error(
     status: int,
     message: str,
@@ -323,7 +318,12 @@ def build_app(loop: EngineLoop, config: EngineConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        return await _submit(body, _chat_prompt(body.messages), "messages", True, request)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:  # the model's own chat template (serve_jax.tokenizer)
+            prompt = engine.tokenizer.chat_ids(messages)
+        except ValueError as e:
+            return _error(400, str(e), "messages")
+        return await _submit(body, prompt, "messages", True, request)
 
     return app
 
