@@ -95,6 +95,13 @@ class Trainer:
                 devices = devices[: config.sharding.num_devices]
         self.mesh = make_mesh(config.sharding.mesh, devices)
         if config.scheme == "async":
+            if jax.process_count() > 1 and jax.default_backend() == "cpu":
+                raise ConfigError(
+                    "scheme=async in a multi-process CPU run: the Trainer's async groups would "
+                    "live in different processes, and XLA:CPU cannot move arrays between them; "
+                    "train scheme=sync here, or compare the two-process async scheme with "
+                    "'python -m paragan_jax bench --processes'"
+                )
             check_async_mesh(config, self.mesh)
         else:
             check_batch_divides(config, self.mesh)

@@ -6,6 +6,9 @@ import json
 import os
 import signal
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import orbax.checkpoint as ocp
 import pytest
@@ -112,3 +115,107 @@ def test_async_resume_with_a_deep_buffer_is_exact(tmp_path):
 
 def _composite(state, meta):
     return ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+
+
+def _env(devices: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _train_cmd(workdir: Path, steps: int, overrides: list[str], *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        *("-m", "paragan_jax", "train", "--config", "tiny", "--workdir", str(workdir)),
+        *("--steps", str(steps), "--no-progress", *extra, *overrides),
+    ]
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, ckpt: Path, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not (ckpt.is_dir() and any(p.name.isdigit() for p in ckpt.iterdir())):
+        assert proc.poll() is None, f"training exited early: {proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"no checkpoint within {timeout:.0f} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_two_processes_sigterm_saves_exits_0_and_the_rerun_resumes(tmp_path):
+    work, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    over = [*RING, "sharding.num_devices=0", "checkpoint.every=10", "checkpoint.keep=5"]
+    cmd = _train_cmd(work, 10**6, over, "--num-processes", "2")
+    proc = subprocess.Popen(
+        cmd, env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for_checkpoint(proc, ckpt)
+        proc.send_signal(signal.SIGTERM)  # the launcher passes it on to both processes
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert out.count("SIGTERM: stopped at step") == 1  # printed by process 0 only
+    stop = int(out.split("SIGTERM: stopped at step ")[1].split()[0])
+    assert stop in CheckpointStore(ckpt).steps() and stop % 10  # saved at the stop step itself
+    assert len(list((work / "tb").iterdir())) == 1  # one TensorBoard writer: process 0
+    rerun = subprocess.run(
+        _train_cmd(work, stop + 3, over, "--num-processes", "2"),
+        env=_env(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from step {stop}" in rerun.stdout and f"to step {stop + 3}" in rerun.stdout
+    assert len(list((work / "tb").iterdir())) == 2 and not (work / LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_async_sigkill_resume_gives_the_params_sha256_of_an_uninterrupted_run(tmp_path):
+    over = [*ASYNC, "checkpoint.every=5", "checkpoint.keep=2"]
+    work, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    proc = subprocess.Popen(
+        _train_cmd(work, 10**6, over),
+        env=_env(2),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_for_checkpoint(proc, ckpt)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    latest = CheckpointStore(ckpt).steps()[-1]
+    target = latest + 7  # past the next save, not on it: the final save is at exit
+    digests = []
+    for run in (work, tmp_path / "straight"):
+        for cmd in (
+            _train_cmd(run, target, over),
+            [
+                sys.executable,
+                "-m",
+                "paragan_jax",
+                "eval",
+                "--workdir",
+                str(run),
+                "--json",
+                str(run / "eval.json"),
+                "eval.num_samples=64",
+            ],
+        ):
+            done = subprocess.run(
+                cmd,
+                env=_env(2),
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert done.returncode == 0, done.stderr[-3000:]
+        digests.append(json.loads((run / "eval.json").read_text())["params_sha256"])
+    assert digests[0] == digests[1]
