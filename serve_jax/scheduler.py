@@ -55,7 +55,9 @@ hooks. The engine finishes requests for other reasons (stop strings, aborts) wit
 
 Every field a policy may read is on `Request` and `SchedulerView`; policies may keep their own
 per-request state in ``Request.predictor_state``. The data types live in `serve_jax.interface`
-and are re-exported here.
+and are re-exported here; block accounting and the prefix cache are `serve_jax.kv_blocks`. The
+module stays one file past 500 lines because it is one class whose `schedule` and
+`update_from_output` are the two halves of the same bookkeeping (and the simulator's hot loop).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from serve_jax.scheduler import (
     Scheduler,
     VictimPolicy,
 )
-from serve_jax.sim_executor import STOP_TOKEN, ConstTokens, SimulatedExecutor, compact_tokens
+from serve_jax.sim_executor import STOP_TOKEN, TOKEN, SimulatedExecutor, compact_tokens
 from serve_jax.sim_metrics import SimMetrics, count_cascades
 from serve_jax.workloads import RequestSpec, Workload
 
@@ -324,7 +324,7 @@ def simulate(
         # the cached context of the turns before it, and nothing else.
         return Request(
             request_id=spec.request_id,
-            prompt_token_ids=ConstTokens(spec.prompt_len),
+            prompt_token_ids=[TOKEN] * spec.prompt_len,
             max_tokens=output_lens[spec.request_id]
             if by_max_tokens
             else max(capacity - spec.prompt_len, 1),

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from serve_jax.preemption import ABLATIONS, POLICY_NAMES, FewestOutputPolicy
-from serve_jax.scheduler import Request
+from serve_jax.scheduler import PreemptMode, Request, VictimPolicy
 from serve_jax.sim_metrics import count_cascades
 from serve_jax.simulator import SimConfig, simulate
 from serve_jax.workloads import RequestSpec, Workload, agentic_workload
@@ -124,3 +124,22 @@ def test_sglang_throttle_is_what_spares_fewest_output_its_preemptions():
     assert bare.preemptions > 0 and bare.completed == len(wl.requests)
     throttled = simulate(wl, FewestOutputPolicy(), TINY)
     assert throttled.preemptions < bare.preemptions
+
+
+class PreemptAll(VictimPolicy):
+    """Preempts every running request: a step can end with nothing running."""
+
+    name = "preempt_all"
+
+    def select_victims(self, view):
+        return [(r, PreemptMode.RECOMPUTE) for r in view.running]
+
+
+def test_a_step_that_preempts_everything_is_not_a_stall():
+    """Under vLLM's rule (no admission in a step that preempted) a step may preempt every
+    running request and admit nothing; the next step must still run. (Before the fix this
+    raised 'simulation stalled' with every block free, as the issue's long-context run did.)"""
+    wl = small_workload()
+    res = simulate(wl, PreemptAll(), TINY)
+    assert res.completed == res.submitted == len(wl.requests) and res.preemptions > 0
+    assert res.rejected == 0
