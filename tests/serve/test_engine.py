@@ -263,3 +263,21 @@ def test_tensor_parallel_weights_from_tapas_plan(model):
         assert list(o.token_ids) == reference(model, p, 12)
     assert eng.scheduler.num_offload_preemptions > 0
     eng.scheduler.blocks.assert_all_free()
+
+
+def test_streamed_text_never_shows_a_stop_string_that_completes_later(model):
+    """Text that may begin a stop string is held back until the next tokens decide it."""
+    eng = make_engine(model)
+    full = eng.generate(["hello"], SamplingParams(max_tokens=24, ignore_eos=True))[0].text
+    stop = next(
+        (full[i : i + 3] for i in range(1, len(full) - 3) if "\ufffd" not in full[i : i + 3]), None
+    )
+    assert stop is not None
+    rid = eng.add_request("hello", SamplingParams(max_tokens=24, stop=(stop,), ignore_eos=True))
+    pieces, final = [], None
+    while eng.has_work():
+        for out in eng.step():
+            pieces.append(out.new_text)
+            final = out if out.finished else final
+    assert final.request_id == rid and final.finish_reason == "stop"
+    assert "".join(pieces) == final.text == full[: full.find(stop)]

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from serve_jax.__main__ import main as serve_jax_main
 from serve_jax.config import load_engine_config
 from serve_jax.engine import Engine
 from serve_jax.hf_checkpoint import load_hf_model
@@ -269,3 +270,15 @@ def test_no_weights_at_all(copy_of):
     (d / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
         load(d)
+
+
+def test_serve_and_replay_model_flag_errors_are_one_line(copy_of, capsys, monkeypatch):
+    monkeypatch.setenv("SERVE_JAX_CACHE_DIR", "")
+    d = copy_of("llama3")
+    edit_config(d, architectures=["GPT2LMHeadModel"])
+    for model, message in [(d, "GPT2LMHeadModel"), (d / "absent", "does not exist")]:
+        for command in ("replay", "serve"):
+            assert serve_jax_main([command, "--config", "tiny_cpu", "--model", str(model)]) == 2
+            err = capsys.readouterr().err
+            assert message in err and "Traceback" not in err
+            assert len(err.strip().splitlines()) == 1
