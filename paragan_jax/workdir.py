@@ -59,6 +59,10 @@ def prepare_workdir(workdir: str | os.PathLike) -> epath.Path:
         probe = path / ".paragan_write_test"
         probe.write_bytes(b"")
         probe.unlink()
+    except ImportError as e:  # fsspec without its gs:// (or s3://) backend
+        raise OSError(
+            f"workdir {str(workdir)!r}: {e} (pip install 'etils[epath-gcs]'; the tpu extra has it)"
+        ) from None
     except OSError as e:
         reason = e.strerror or type(e).__name__
         raise OSError(f"workdir {str(workdir)!r} is not a writable directory ({reason})") from None

@@ -2,6 +2,7 @@
 jax.distributed), the workdir lock, checkpoint checksums, exact async resume (fake buffer in the
 checkpoint) and params_sha256."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ from conftest import RING
 
 from paragan_jax import cli
 from paragan_jax.__main__ import main
-from paragan_jax.checkpoint import CheckpointStore, tree_sha256
+from paragan_jax.checkpoint import CheckpointStore, as_path, tree_sha256
 from paragan_jax.config import load_train_config
 from paragan_jax.data import PrefetchLoader
 from paragan_jax.train import Trainer
@@ -219,3 +220,13 @@ def test_async_sigkill_resume_gives_the_params_sha256_of_an_uninterrupted_run(tm
             assert done.returncode == 0, done.stderr[-3000:]
         digests.append(json.loads((run / "eval.json").read_text())["params_sha256"])
     assert digests[0] == digests[1]
+
+
+def test_gs_workdirs_stay_remote_paths(tmp_path, capsys):
+    assert str(as_path("gs://bucket/run") / "checkpoints") == "gs://bucket/run/checkpoints"
+    assert str(as_path("rel/run")) == str(Path("rel/run").resolve())
+    if importlib.util.find_spec("gcsfs") is None:  # without the tpu extra's gs backend
+        args = ["train", "--config", "tiny", "--workdir", "gs://no-bucket/run", *ONE]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "gs://no-bucket/run" in err and "gcsfs" in err
