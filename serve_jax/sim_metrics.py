@@ -2,10 +2,12 @@
 
 `SimMetrics` is a `serve_jax.core.StepObserver`: after each step of the simulator's
 `serve_jax.core.EngineCore` it counts preemptions (with their times and modes), steps with
-preemptions right after a step with preemptions, recomputed tokens wasted, bytes offloaded and
-restored, and step durations; `serve_jax.simulator` turns them and the finished requests into a
-`SimulationResult`. `count_cascades` counts preemptions that hit a request within a window of
-its previous resume (engine and simulator alike).
+preemptions right after a step with preemptions, recomputed tokens wasted (what a recompute
+victim computes again when it resumes: its computed tokens at the preemption less those its
+resumption found in the prefix cache), bytes offloaded and restored, and step durations;
+`serve_jax.simulator` turns them and the finished requests into a `SimulationResult`.
+`count_cascades` counts preemptions that hit a request within a window of its previous resume
+(engine and simulator alike).
 """
 
 from __future__ import annotations
@@ -59,10 +61,18 @@ class SimMetrics:
         self.wall = 0.0
         """Wall-clock seconds of the run (set when it ends)."""
         self._prev_step_preempted = False
+        # recompute victims not resumed yet -> their computed tokens at the preemption
+        self._to_recompute: dict[str, int] = {}
 
     def __call__(self, out: StepOutput) -> None:
         so = out.scheduler_output
         self.step_seconds.append(float(out.executor_output.step_seconds or 0.0))
+        pending = self._to_recompute
+        if pending:
+            for chunk in so.prefills:
+                lost = pending.pop(chunk.request_id, None)
+                if lost is not None:  # resumed: it starts after its cached prefix
+                    self.wasted += max(lost - chunk.start, 0)
         if so.preemptions:
             if self._prev_step_preempted:
                 self.back_to_back += 1
@@ -72,7 +82,7 @@ class SimMetrics:
                 self.preempt_times.append(t_sched)
                 self.preempt_log.append((out.step, t_sched, rid, mode.value))
                 if mode == PreemptMode.RECOMPUTE:
-                    self.wasted += computed[rid]
+                    pending[rid] = computed[rid]
         self._prev_step_preempted = bool(so.preemptions)
         if so.offloads:
             self.bytes_off += len(so.offloads) * self.block_bytes
