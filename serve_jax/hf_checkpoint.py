@@ -7,9 +7,10 @@
 
 The shards (``model.safetensors``, or ``model-0000x-of-0000y.safetensors`` listed by
 ``model.safetensors.index.json``) are read one after the other and, within a shard, one tensor
-at a time: each is read from the file into one host buffer (the safetensors header says where),
-transposed from torch's ``[out, in]`` to the ``[in, out]`` kernels of `flax.nnx.Linear` and cast
-to the serving dtype in a single copy, then put straight into its target sharding. That sharding
+at a time: each is read from the file (the safetensors header says where) into one host buffer,
+transposed on the way from torch's ``[out, in]`` to the ``[in, out]`` kernels of
+`flax.nnx.Linear` and cast to the serving dtype (slice by slice, `SafetensorsFile.read`), then put
+straight into its target sharding. That sharding
 is the tapas_jax plan of `serve_jax.executor.plan_decoder` when the mesh has a ``model`` axis
 (the executor later finds the weights already where its plan wants them), else the first device
 or the mesh, replicated. The model is built abstractly (`flax.nnx.eval_shape`), so at no point
@@ -47,6 +48,8 @@ _DTYPES = {
     "F64": np.dtype(np.float64),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old Llama checkpoints saved
+CHUNK_BYTES = 16 * 2**20
+"""Bytes of the row slices a cast or transposed read goes through."""
 
 
 class SafetensorsFile:
@@ -97,27 +100,49 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._header[name]["shape"])
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor ``name`` in a fresh host array of its stored dtype.
+    def read(self, name: str, dtype=None, transpose: bool = False) -> np.ndarray:
+        """The tensor ``name`` in a fresh host array, cast to ``dtype`` (None: as stored) and,
+        for a matrix, transposed when asked.
+
+        A cast or a transpose goes through the file in slices of rows (`CHUNK_BYTES`), so the
+        host holds the result plus one slice, never the tensor twice.
 
         Raises:
           ValueError: an unsupported dtype or offsets that do not fit the file.
         """
         entry = self._header[name]
-        dtype = _DTYPES.get(entry.get("dtype"))
-        if dtype is None:
+        stored = _DTYPES.get(entry.get("dtype"))
+        if stored is None:
             raise ValueError(
                 f"{self.path}: tensor {name!r} has dtype {entry.get('dtype')!r}; supported: "
                 f"{', '.join(_DTYPES)}"
             )
+        shape = tuple(entry["shape"])
         begin, end = entry["data_offsets"]
-        out = np.empty(tuple(entry["shape"]), dtype)
-        if end - begin != out.nbytes or self._data_start + end > self._size:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * stored.itemsize
+        if end - begin != nbytes or self._data_start + end > self._size:
             raise ValueError(f"{self.path}: tensor {name!r} has offsets that do not fit its shape")
+        dtype = stored if dtype is None else np.dtype(dtype)
+        transpose = transpose and len(shape) == 2
         self._f.seek(self._data_start + begin)
-        if self._f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
-            raise ValueError(f"{self.path}: tensor {name!r} is truncated")
+        if not transpose and dtype == stored:
+            return self._read_rows(name, shape, stored)
+        out = np.empty(shape[::-1] if transpose else shape, dtype)
+        row_bytes = max(1, nbytes // max(1, shape[0]))
+        step = max(1, CHUNK_BYTES // row_bytes)
+        for r in range(0, shape[0], step):
+            rows = self._read_rows(name, (min(step, shape[0] - r), *shape[1:]), stored)
+            if transpose:
+                out[:, r : r + len(rows)] = rows.T
+            else:
+                out[r : r + len(rows)] = rows
         return out
+
+    def _read_rows(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        buf = np.empty(shape, dtype)
+        if self._f.readinto(memoryview(buf.reshape(-1).view(np.uint8))) != buf.nbytes:
+            raise ValueError(f"{self.path}: tensor {name!r} is truncated")
+        return buf
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -198,14 +223,6 @@ def _target_shardings(model: Decoder, mesh, plan_memory_limit_bytes: float | Non
     return dict.fromkeys(paths, NamedSharding(mesh, PartitionSpec()))
 
 
-def _place(arr: np.ndarray, transpose: bool, dtype, sharding) -> jax.Array:
-    """One host copy that transposes and casts, then the transfer into ``sharding``."""
-    src = arr.T if transpose else arr
-    host = np.empty(src.shape, dtype)
-    host[...] = src
-    return jax.device_put(host, sharding)
-
-
 def load_hf_model(
     model_dir: str | os.PathLike,
     cfg: ModelConfig,
@@ -249,9 +266,9 @@ def load_hf_model(
                         f"{file}: tensor {name!r} has shape {list(f.shape(name))}, "
                         f"config.json implies {list(want)}"
                     )
-                placed[path] = _place(
-                    f.read(name), transpose, abstract_leaves[path].dtype, shardings[path]
-                )
+                host = f.read(name, abstract_leaves[path].dtype, transpose)
+                placed[path] = jax.device_put(host, shardings[path])
+                del host  # before the next tensor is read
     missing = [name for name, (path, _) in layout.items() if path not in placed]
     if missing:
         raise ValueError(
