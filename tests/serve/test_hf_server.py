@@ -1,0 +1,80 @@
+"""The HTTP server on a Hugging Face checkpoint: chat prompts from the model's own template.
+
+``/v1/chat/completions`` renders the messages with the checkpoint's chat template (as
+transformers' ``apply_chat_template`` does) and answers transformers' greedy continuation; a
+conversation the template rejects (its ``raise_exception``) is a 400 naming ``messages``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from serve_jax.config import load_engine_config
+from serve_jax.engine import Engine
+from serve_jax.server import EngineLoop, build_app
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=["llama3", "llama2"])
+def server(request):
+    d = FIXTURES / request.param
+    cfg = load_engine_config("tiny_cpu", [f"model.path={d}", f"model.name={request.param}"])
+    engine = Engine(cfg)
+    loop = EngineLoop(engine)
+    loop.start()
+    port = _free_port()
+    uv = uvicorn.Server(
+        uvicorn.Config(build_app(loop, cfg), host="127.0.0.1", port=port, log_level="error")
+    )
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not uv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", request.param, engine
+    uv.should_exit = True
+    thread.join(timeout=10)
+    loop.stop()
+
+
+def test_chat_uses_the_models_template(server):
+    url, name, engine = server
+    chat = json.loads((FIXTURES / name / "reference.json").read_text())["chat"]
+    body = {"model": name, "messages": chat["messages"], "max_tokens": 8, "temperature": 0}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["message"]["content"] == chat["text"]
+    assert out["usage"]["prompt_tokens"] == len(chat["prompt_ids"])
+    assert out["usage"]["completion_tokens"] == len(chat["greedy_ids"])
+
+
+def test_a_conversation_the_template_rejects_is_a_400(server):
+    """Llama 2's template requires alternating roles; Llama 3's takes two user turns."""
+    url, name, engine = server
+    msgs = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    body = {"messages": msgs, "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    if name == "llama3":
+        assert r.status_code == 200, r.text
+        return
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "messages" and "roles must alternate" in err["message"]
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
