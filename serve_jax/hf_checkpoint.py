@@ -52,6 +52,15 @@ CHUNK_BYTES = 16 * 2**20
 """Bytes of the row slices a cast or transposed read goes through."""
 
 
+def _valid_entry(entry) -> bool:
+    """A header entry: ``{"dtype": str, "shape": [int, ...], "data_offsets": [begin, end]}``."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
+        return False
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    ints = lambda xs: isinstance(xs, list) and all(type(x) is int and x >= 0 for x in xs)
+    return ints(shape) and ints(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]
+
+
 class SafetensorsFile:
     """One ``.safetensors`` file: its header, and tensors read one at a time into host buffers.
 
@@ -64,7 +73,7 @@ class SafetensorsFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"checkpoint shard {str(self.path)!r} does not exist")
-        self._f = open(self.path, "rb")  # noqa: SIM115 (closed by close/__exit__)
+        self._f = open(self.path, "rb")  # closed by close() / the with block
         size = os.fstat(self._f.fileno()).st_size
         head = self._f.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
@@ -76,10 +85,11 @@ class SafetensorsFile:
         except (UnicodeDecodeError, json.JSONDecodeError):
             self.close()
             raise ValueError(f"{str(self.path)!r} is not a safetensors file") from None
-        if not isinstance(header, dict):
+        if isinstance(header, dict):
+            header.pop("__metadata__", None)
+        if not isinstance(header, dict) or not all(map(_valid_entry, header.values())):
             self.close()
             raise ValueError(f"{str(self.path)!r} is not a safetensors file")
-        header.pop("__metadata__", None)
         self._header = header
         self._data_start = 8 + n
         self._size = size

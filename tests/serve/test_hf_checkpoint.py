@@ -24,7 +24,7 @@ from flax import nnx
 from serve_jax.__main__ import main as serve_jax_main
 from serve_jax.config import load_engine_config
 from serve_jax.engine import Engine
-from serve_jax.hf_checkpoint import load_hf_model
+from serve_jax.hf_checkpoint import SafetensorsFile, load_hf_model
 from serve_jax.hf_config import hf_model_config, resolve_model_dir
 from serve_jax.kv_cache import DenseKVView
 from serve_jax.sampling import SamplingParams
@@ -263,6 +263,38 @@ def test_a_shard_that_is_not_safetensors(copy_of):
     with pytest.raises(ValueError, match="is not a safetensors file") as e:
         load(d)
     assert "secret" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"w": {"dtype": "F32", "shape": [2]}},
+        {"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}},
+        {"w": {"dtype": "F32", "shape": ["2"], "data_offsets": [0, 8]}},
+        [1, 2],
+    ],
+)
+def test_a_malformed_safetensors_header(tmp_path, header):
+    raw = json.dumps(header).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(8))
+    with pytest.raises(ValueError, match="is not a safetensors file"):
+        SafetensorsFile(path)
+
+
+def test_tensor_dtypes_and_offsets_are_checked(tmp_path):
+    header = {
+        "q": {"dtype": "I8", "shape": [2], "data_offsets": [0, 2]},
+        "w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]},
+    }
+    raw = json.dumps(header).encode()
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(8))
+    with SafetensorsFile(path) as f:
+        with pytest.raises(ValueError, match="tensor 'q' has dtype 'I8'"):
+            f.read("q")
+        with pytest.raises(ValueError, match="tensor 'w' has offsets that do not fit"):
+            f.read("w")
 
 
 def test_no_weights_at_all(copy_of):
