@@ -1,19 +1,22 @@
 """Scaling model: predicted step time and efficiency of sync and async ParaGAN at pod scale.
 
-Inputs are measured, not guessed: the FLOPs (and bytes) of the step's pieces come from XLA's cost
-analysis of the lowered programs of `paragan_jax.steps.GANFunctions` (one D update, one G update,
-one batch of fakes) at the per-chip batch, and parameter sizes from the abstract train state;
-collective times come from `tapas_jax.collectives` (`torus_allreduce_seconds`, built on
-`collective_seconds`) with a `tapas_jax.hardware` profile. The scaling is weak (fixed per-chip
-batch, global batch grows with the chips).
+Every input is measured, compiled, published or (two ranges) assumed, and the command's
+input table says which (`paragan_jax.scale_cli`). The FLOPs (and bytes) of the step's pieces
+come from XLA's cost analysis of the lowered programs of `paragan_jax.steps.GANFunctions` (one
+D update, one G update, one batch of fakes) at the per-chip batch; parameter sizes from the
+abstract train state; collective times from `tapas_jax.collectives` (`torus_allreduce_seconds`,
+built on `collective_seconds`) with a `tapas_jax.hardware` profile; the overlap of collectives
+with compute from the compiled schedule (`paragan_jax.overlap`). The scaling is weak (fixed
+per-chip batch, global batch grows with the chips).
 
 Per step, with N chips on a 2-D torus ``a x b`` (TPU v3 pods are 2-D tori):
 
-- compute ``T_c = FLOPs / (peak x achieved_fraction)`` (``achieved_fraction`` is a parameter:
-  the share of peak a conv GAN reaches, 0.5 by default; not measured here);
+- compute ``T_c = FLOPs / (peak x achieved_fraction)`` (``achieved_fraction``: a range,
+  `RANGES`; the prediction is a band over it and over ``jitter``, `predict_band`);
 - a gradient all-reduce on the torus = reduce-scatter over ``b``, all-reduce of the ``1/b`` shard
   over ``a``, all-gather over ``b`` (`tapas_jax.collectives.torus_allreduce_seconds`);
-  ``overlap`` is the fraction hidden behind the backward pass;
+  ``overlap`` is the fraction hidden behind compute, read per scheme from the compiled schedule
+  (`paragan_jax.overlap`);
 - ``small_collectives`` latency-bound collectives (batch-norm statistics over the sharded batch,
   loss means), each one torus all-reduce latency; counted from the compiled step of a narrow copy
   of the model (``--count-collectives``), 0 by default;
@@ -42,6 +45,7 @@ the command is ``python -m paragan_jax scaling`` (`paragan_jax.scale_cli`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -62,6 +66,7 @@ from .steps import GANFunctions, make_sync_step
 __all__ = [
     "MODEL_PRESETS",
     "PAPER_EFFICIENCY_1024_CORES",
+    "RANGES",
     "ScalingParams",
     "StepCosts",
     "count_step_collectives",
@@ -69,10 +74,13 @@ __all__ = [
     "load_model_config",
     "measure_step_costs",
     "predict",
+    "predict_band",
 ]
 
 PAPER_EFFICIENCY_1024_CORES = 0.91
-"""ParaGAN (Wang et al.) reports 91% scaling efficiency on 1024 TPU v3 cores (= 512 chips)."""
+"""ParaGAN reports 91% scaling efficiency for BigGAN on 1024 TPU v3 cores (= 512 chips): Shi, Li,
+You, "ParaGAN: A Scalable Distributed Training Framework for Generative Adversarial Networks",
+SoCC 2024, arXiv:2411.03999 (abstract)."""
 
 MODEL_PRESETS = {"biggan128": "biggan128_tpu", "biggan256": "biggan256_tpu"}
 """Model names of the command -> the training presets that define them."""
@@ -116,18 +124,19 @@ class StepCosts:
 
 @dataclasses.dataclass(frozen=True)
 class ScalingParams:
-    """Parameters of the model that are not measured here (each with its reason)."""
+    """The inputs of the model that are not step costs (`StepCosts`) or hardware figures."""
 
     achieved_fraction: float = 0.5
-    """Share of peak FLOP/s the step reaches on one chip (conv GANs on TPU: roughly 0.4-0.6)."""
+    """Share of peak FLOP/s the step reaches on one chip (a range: `RANGES`)."""
     jitter: float = 0.02
-    """Relative std of one chip's step time (host, network and ICI jitter)."""
+    """Relative std of one chip's step time (host, network and ICI jitter; a range: `RANGES`)."""
     overlap: float = 0.0
-    """Fraction of gradient all-reduce hidden behind the backward pass."""
+    """Fraction of the gradient all-reduce hidden behind compute; read per scheme from the
+    compiled schedule by `paragan_jax.overlap` (``scaling schedule=...``), else 0."""
     small_collectives: int = 0
     """Latency-bound collectives per step besides the gradient all-reduces (batch-norm statistics,
-    loss means), each paying one torus all-reduce latency; `count_step_collectives` measures it
-    from the compiled step (``--count-collectives``)."""
+    loss means), each paying one torus all-reduce latency; counted from the compiled step
+    (``schedule=...`` or ``--count-collectives``)."""
     use_bytes: bool = False
     """Also bound compute by ``bytes / HBM bandwidth`` (roofline). Off by default: the
     lowered (unfused) HLO overcounts bytes several-fold."""
@@ -139,6 +148,62 @@ class ScalingParams:
             raise ValueError(f"jitter must be >= 0, got {self.jitter}")
         if not 0 <= self.overlap <= 1:
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap}")
+
+
+RANGES: dict[str, tuple[float, float, float]] = {
+    "achieved_fraction": (0.35, 0.5, 0.65),
+    "jitter": (0.0, 0.02, 0.05),
+}
+"""(low, expected, high) of the inputs that are ranges, not one value. Neither is measured on a
+TPU here (this machine has none); each row of the input table says so.
+
+- ``achieved_fraction``: share of the chip's peak that a bf16 conv GAN step reaches. Expected is
+  XLA's TPU cost model's estimate for the compiled BigGAN step when it is read (``scaling
+  schedule=tpu:...``: `paragan_jax.overlap`), else 0.5; the range spans what convolutional
+  training steps reach on TPUs.
+- ``jitter``: relative std of one chip's step time. 0: a dedicated slice with nothing else on
+  its hosts; 2%: expected; 5%: a congested cloud host. No published per-chip figure was found
+  (ParaGAN, arXiv:2411.03999, builds a congestion-aware pipeline because cloud input traffic
+  varies, but its abstract gives no spread), so the three values are assumptions and the input
+  table marks them so.
+"""
+
+
+def predict_band(
+    costs: StepCosts,
+    chips: int,
+    scheme: str,
+    hardware: str | HardwareProfile,
+    params: ScalingParams = ScalingParams(),
+    ranges: dict[str, tuple[float, float, float]] = RANGES,
+) -> dict[str, Any]:
+    """`predict` at the expected inputs, with the efficiency band over every corner of `ranges`.
+
+    Returns:
+      `predict`'s row (``step_seconds`` and ``efficiency`` at the expected values) plus
+      ``efficiency_low`` / ``efficiency_high`` and ``step_seconds_low`` / ``step_seconds_high``.
+    """
+    names = list(ranges)
+    row = predict(
+        costs,
+        chips,
+        scheme,
+        hardware,
+        dataclasses.replace(params, **{k: ranges[k][1] for k in names}),
+    )
+    corners = [
+        predict(costs, chips, scheme, hardware, dataclasses.replace(params, **dict(zip(names, c))))
+        for c in itertools.product(*[(ranges[k][0], ranges[k][2]) for k in names])
+    ]
+    effs = [r["efficiency"] for r in corners] + [row["efficiency"]]
+    steps = [r["step_seconds"] for r in corners] + [row["step_seconds"]]
+    return {
+        **row,
+        "efficiency_low": min(effs),
+        "efficiency_high": max(effs),
+        "step_seconds_low": min(steps),
+        "step_seconds_high": max(steps),
+    }
 
 
 def expected_max_normal(n: int) -> float:
@@ -234,6 +299,8 @@ def predict(
             "d_chips": n_d,
             "g_side_s": side_g,
             "d_side_s": side_d,
+            "g_compute_s": t_g,
+            "d_compute_s": t_d,
         }
     else:
         raise ValueError(f"scheme must be 'sync' or 'async', got {scheme!r}")

@@ -1,13 +1,21 @@
-"""The scaling model's check on this machine: measured against predicted multi-process CPU steps.
+"""The scaling model's check on this machine: predictions against multi-process CPU steps the
+fit never saw.
 
-`check_cpu` validates the composition of `paragan_jax.scaling`: N = 1, 2, 4 processes (one CPU
-device each, gloo collectives, via `paragan_jax.distributed.launch`) run the real sync step
-data-parallel; the prediction uses the 1-process step time, jitter and cores kept busy, the
-collectives XLA compiled into each step priced per latency hop and per byte
-(`tapas_jax.collectives.compiled_collective_terms`), gloo's bandwidth from a bare all-reduce
-(`tapas_jax.collectives.fit_alpha_beta`), and a host-contention factor (processes share the
-cores; on a TPU each chip computes on its own). The per-hop latency is calibrated on 2
-processes; larger counts are predictions.
+`check_cpu` runs the real sync step data-parallel on 1, 2, 3, 4 processes (one CPU device each,
+gloo collectives, via `paragan_jax.distributed.launch`) for two model widths, then
+`fit_and_predict` fits on the first width at 1 and 2 processes only and predicts everything else:
+
+- fitted on (width 0, 1 process): the step's achieved FLOP/s (XLA's FLOPs of the step over its
+  median time), the cores one process keeps busy (CPU time per wall second) and the relative
+  spread of its step time;
+- fitted on (width 0, 2 processes): the per-hop latency of a collective inside the step (what
+  is left of the 2-process step after compute, bytes and jitter, per latency hop);
+- measured apart: gloo's bandwidth from a bare all-reduce (`tapas_jax.collectives.fit_alpha_beta`)
+  and the collectives XLA compiled into each step
+  (`tapas_jax.collectives.compiled_collective_terms`);
+- predicted: 3 and 4 processes of width 0, and every process count of the other width (its
+  compute from its own FLOPs at the fitted FLOP/s). Each row carries the machine's load average
+  while it was measured.
 
 Each process runs `worker` (the internal command ``python -m paragan_jax scaling-worker``).
 """
@@ -36,7 +44,15 @@ from .loop import run_steps
 from .scaling import expected_max_normal, load_model_config, measure_step_costs
 from .steps import SyncRunner
 
-__all__ = ["CPU_CHECK_OVERRIDES", "check_cpu", "main", "worker"]
+__all__ = [
+    "CPU_CHECK_OVERRIDES",
+    "check_cpu",
+    "fit_and_predict",
+    "main",
+    "run_processes",
+    "step_flops",
+    "worker",
+]
 
 CPU_CHECK_OVERRIDES = (
     "model.arch=dcgan",
@@ -54,23 +70,31 @@ CPU_CHECK_OVERRIDES = (
 """The CPU check's model: the tiny preset widened so that a step is compute, not dispatch."""
 
 
+def _model(width: int, batch: int):
+    """The check's model at `width` (G and D) and per-process `batch`."""
+    return load_model_config(
+        "tiny", batch, [*CPU_CHECK_OVERRIDES, f"model.g_width={width}", f"model.d_width={width}"]
+    )
+
+
 def worker(argv: list[str]) -> int:
-    """One process of the CPU check: all process counts in one runtime, in interleaved rounds.
+    """One process of the CPU check: all (width, process count) pairs in one runtime.
 
     Every process joins one runtime of ``--num-processes`` processes (one CPU device each). For
-    each count n in ``--counts``, the first n processes build the sync step on a mesh of their n
-    devices; in each round they run ``--steps`` steps for each n in turn while the others wait at
-    a barrier, so every n sees the same drifting machine load. Steps run through the one step loop
-    (`paragan_jax.loop.run_steps` of a `paragan_jax.steps.SyncRunner`, each step waited for and
-    timed), like the trainer's. Process 0 also times a bare
-    all-reduce between two processes at several sizes, and reports the compiled step's
-    collectives (`tapas_jax.verification.count_collectives`) for each n.
+    each width and count n in ``--counts``, the first n processes build the sync step on a mesh
+    of their n devices; in each round they run ``--steps`` steps for each pair in turn while
+    the others wait at a barrier, so every pair sees the same drifting machine load. Steps run
+    through the one step loop (`paragan_jax.loop.run_steps` of a `paragan_jax.steps.SyncRunner`,
+    each step waited for and timed), like the trainer's. Process 0 records the load average
+    after each pair's steps, times a bare all-reduce between two processes at several sizes, and
+    reports each compiled step's collectives (`tapas_jax.verification.count_collectives`).
     """
     ap = argparse.ArgumentParser(prog="python -m paragan_jax scaling-worker")
     ap.add_argument("--process-id", type=int, required=True)
     ap.add_argument("--num-processes", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--counts", default="1,2,4")
+    ap.add_argument("--counts", default="1,2,3,4")
+    ap.add_argument("--widths", default="32,48")
     ap.add_argument("--per-process-batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
@@ -99,14 +123,18 @@ def worker(argv: list[str]) -> int:
 
     pid = args.process_id
     counts = [int(c) for c in args.counts.split(",")]
+    widths = [int(w) for w in args.widths.split(",")]
+    pairs = [(w, n) for w in widths for n in counts]
     devices = sorted(jax.devices(), key=lambda d: d.process_index)
-    runs: dict[int, tuple[SyncRunner, list[dict[str, np.ndarray]]]] = {}
-    out: dict[str, Any] = {"counts": counts, "collectives": {}, "step_times": {}}
-    for n in counts:
+    runs: dict[tuple[int, int], tuple[SyncRunner, list[dict[str, np.ndarray]]]] = {}
+    out: dict[str, Any] = {"counts": counts, "widths": widths, "collectives": {}}
+    for w, n in pairs:
+        key = f"{w}:{n}"
         if pid < n:
-            cfg = load_model_config("tiny", args.per_process_batch * n, CPU_CHECK_OVERRIDES)
+            b = args.per_process_batch
+            cfg = _model(w, b * n)
             mesh = make_mesh(f"data={n}", devices=devices[:n])
-            m, b = cfg.model, args.per_process_batch
+            m = cfg.model
             runner = SyncRunner(
                 cfg, mesh, (m.resolution, m.resolution, m.channels), local_batches=True
             )
@@ -121,25 +149,27 @@ def worker(argv: list[str]) -> int:
             compiled = runner.compile()
             if pid == 0:
                 c, moved = count_collectives(compiled.as_text(), n)
-                out["collectives"][str(n)] = {"count": c, "moved_bytes": moved}
-            runs[n] = (runner, local)
-        barrier(f"compiled-{n}")
+                out["collectives"][key] = {"count": c, "moved_bytes": moved}
+            runs[(w, n)] = (runner, local)
+        barrier(f"compiled-{key}")
         if pid < n:
-            runner, local = runs[n]
+            runner, local = runs[(w, n)]
             run_steps(runner, itertools.repeat(local), 1)  # warm-up
-        barrier(f"warm-{n}")
-    times: dict[int, list[float]] = {n: [] for n in counts}
-    cpu: dict[int, list[float]] = {n: [] for n in counts}
+        barrier(f"warm-{key}")
+    times: dict[str, list[float]] = {f"{w}:{n}": [] for w, n in pairs}
+    cpu: dict[str, list[float]] = {k: [] for k in times}
+    load: dict[str, list[float]] = {k: [] for k in times}
     for r in range(args.rounds):
-        for n in counts:
+        for w, n in pairs:
+            key = f"{w}:{n}"
             if pid < n:
-                runner, local = runs[n]
+                runner, local = runs[(w, n)]
                 stats = run_steps(runner, itertools.repeat(local), args.steps, block_each_step=True)
-                times[n] += stats.step_times
-                cpu[n] += stats.cpu_times
-            barrier(f"round-{r}-{n}")
-    out["step_times"] = {str(n): t for n, t in times.items()}
-    out["cpu_times"] = {str(n): t for n, t in cpu.items()}
+                times[key] += stats.step_times
+                cpu[key] += stats.cpu_times
+                load[key].append(os.getloadavg()[0])
+            barrier(f"round-{r}-{key}")
+    out["step_times"], out["cpu_times"], out["load_average"] = times, cpu, load
     sizes = [int(s) for s in args.allreduce_sizes.split(",") if s]
     barrier("allreduce")
     if sizes and args.num_processes >= 2 and pid < 2:
@@ -165,10 +195,13 @@ def worker(argv: list[str]) -> int:
     return 0
 
 
-def _run_processes(counts, steps: int, rounds: int, batch: int) -> dict:
+def run_processes(counts, widths, steps: int, rounds: int, batch: int) -> dict[str, Any]:
+    """Launches the worker processes and returns process 0's measurements."""
     extra = [
         "--counts",
         ",".join(map(str, counts)),
+        "--widths",
+        ",".join(map(str, widths)),
         "--steps",
         str(steps),
         "--rounds",
@@ -189,60 +222,62 @@ def _run_processes(counts, steps: int, rounds: int, batch: int) -> dict:
     raise RuntimeError(f"process 0 printed no result:\n{results[0].stdout[-2000:]}")
 
 
-def check_cpu(
-    processes=(1, 2, 4), steps: int = 5, rounds: int = 4, batch: int = 16, cores: int | None = None
-) -> dict[str, Any]:
-    """Measured against predicted sync step time at 1, 2, 4 (or more) CPU processes.
+def step_flops(widths, batch: int) -> dict[str, float]:
+    """XLA's FLOPs of one process's sync step per width (`measure_step_costs`)."""
+    return {str(w): measure_step_costs(_model(w, batch), f"w{w}").sync_flops for w in widths}
 
-    The model composes, for n processes on ``cores`` cores, the same terms as `predict`:
 
-    - compute: the 1-process step time ``t1`` stretched by host contention
-      ``max(1, n u1 / cores)``, where ``u1`` is the measured CPU time per wall second of the
-      1-process step (how many cores one process keeps busy);
-    - collectives: those XLA compiled into the n-process step (`compiled_collective_terms`), at one
-      ``alpha`` per latency hop plus the bytes sent over gloo's bandwidth ``W``;
-    - jitter: the 1-process step's relative spread times E[max of n normals].
+def fit_and_predict(res: dict[str, Any], flops: dict[str, float], cores: int) -> dict[str, Any]:
+    """Fits on (first width; 1 and 2 processes) and predicts every other measured pair.
 
-    ``W`` comes from a bare all-reduce at three sizes. ``alpha`` does not: a collective inside
-    the step is a rendezvous of processes that the OS schedules, and costs several times what a
-    lone all-reduce shows (both are reported). So ``alpha`` is calibrated on the smallest
-    multi-process count (2: ``alpha`` = the 2-process step's time left after compute, bytes
-    and jitter, per hop), like ``t1`` is on 1 process; every larger count is a prediction, and
-    only those rows (``role == "prediction"``) test the model.
+    Args:
+      res: the workers' measurements (`run_processes`).
+      flops: each width's step FLOPs per process (`step_flops`).
+      cores: the machine's cores.
+
+    Returns:
+      ``rows`` (median steps) and ``rows_min`` (fastest steps, no jitter term), each row with its
+      role, measured and predicted seconds, error, terms and load average; and the fit.
     """
-    processes = tuple(sorted(set(processes)))
-    if processes[:2] != (1, 2) or len(processes) < 3:
-        raise ValueError(
-            f"processes {processes}: need 1 and 2 (calibration) and at least one larger count"
-        )
-    cores = cores or os.cpu_count() or 1
-    load_before = os.getloadavg()[0]
-    res = _run_processes(processes, steps, rounds, batch)
-    load_after = os.getloadavg()[0]
+    widths = [int(w) for w in res["widths"]]
+    counts = sorted(int(n) for n in res["counts"])
+    if counts[:2] != [1, 2] or len(counts) < 3:
+        raise ValueError(f"processes {counts}: need 1 and 2 (the fit) and a larger count")
+    w0 = widths[0]
     alpha_lone, bw = fit_alpha_beta({int(k): v for k, v in res["allreduce_s"].items()}, 2)
-    base = np.array(res["step_times"]["1"])
-    util = float(np.median(np.array(res["cpu_times"]["1"]) / base))
-    q25, t1, q75 = np.percentile(base, [25, 50, 75])
-    jitter = float((q75 - q25) / 1.349 / t1)  # robust std: other jobs' bursts are outliers
+    base = np.array(res["step_times"][f"{w0}:1"])
+    util = float(np.median(np.array(res["cpu_times"][f"{w0}:1"]) / base))
+    q25, q75 = np.percentile(base, [25, 75])
 
-    def rows_for(stat, t_1, jit_rel):
+    def rows_for(stat, with_jitter: bool):
+        t1 = float(stat(base))
+        rate = flops[str(w0)] / t1  # achieved FLOP/s of one process
+        jit_rel = float((q75 - q25) / 1.349 / np.median(base)) if with_jitter else 0.0
         terms = {}
-        for n in processes:
-            coll = res["collectives"].get(str(n), {"count": {}, "moved_bytes": {}})
-            hops, sent = compiled_collective_terms(coll["count"], coll["moved_bytes"], n, n)
-            compute = t_1 * max(1.0, n * util / cores)
-            jit = jit_rel * expected_max_normal(n) * compute
-            terms[n] = (float(stat(res["step_times"][str(n)])), compute, hops, sent, jit, coll)
-        m2, c2, h2, s2, j2, _ = terms[2]
+        for w in widths:
+            for n in counts:
+                key = f"{w}:{n}"
+                coll = res["collectives"].get(key, {"count": {}, "moved_bytes": {}})
+                hops, sent = compiled_collective_terms(coll["count"], coll["moved_bytes"], n, n)
+                compute = flops[str(w)] / rate * max(1.0, n * util / cores)
+                jit = jit_rel * expected_max_normal(n) * compute
+                measured = float(stat(res["step_times"][key]))
+                terms[(w, n)] = (measured, compute, hops, sent, jit, coll)
+        m2, c2, h2, s2, j2, _ = terms[(w0, 2)]
         alpha = max(1e-6, (m2 - c2 - s2 / bw - j2) / h2) if h2 else 1e-6
         rows = []
-        for n, (measured, compute, hops, sent, jit, coll) in terms.items():
+        for (w, n), (measured, compute, hops, sent, jit, coll) in terms.items():
             comm = hops * alpha + sent / bw
             pred = compute + comm + jit
+            role = "prediction"
+            if w == w0 and n <= 2:
+                role = "fits FLOP/s, cores, jitter" if n == 1 else "fits per-hop latency"
+            loads = res.get("load_average", {}).get(f"{w}:{n}", [])
             rows.append(
                 {
+                    "width": w,
                     "processes": n,
-                    "role": {1: "calibrates t1", 2: "calibrates alpha"}.get(n, "prediction"),
+                    "role": role,
                     "measured_s": measured,
                     "predicted_s": pred,
                     "error": pred / measured - 1.0,
@@ -251,32 +286,59 @@ def check_cpu(
                     "latency_hops": hops,
                     "bytes_sent": sent,
                     "jitter_s": jit,
+                    "load_average": float(np.mean(loads)) if loads else None,
                     "collectives": coll["count"],
                 }
             )
-        return rows, alpha
+        return rows, alpha, rate
 
-    rows, alpha = rows_for(np.median, float(t1), jitter)
-    # Best case (fastest step of each count, no jitter term): least touched by other jobs.
-    rows_min, alpha_min = rows_for(np.min, float(base.min()), 0.0)
-    cfg = load_model_config("tiny", batch, CPU_CHECK_OVERRIDES)
-    costs = measure_step_costs(cfg, "cpu-check")
+    rows, alpha, rate = rows_for(np.median, True)
+    # Best case (fastest step of each pair, no jitter term): least touched by other jobs.
+    rows_min, alpha_min, _ = rows_for(np.min, False)
     return {
         "rows": rows,
         "rows_min": rows_min,
+        "fitted_width": w0,
         "cores": cores,
-        "load_average": [load_before, load_after],
         "cores_busy_1_process": util,
+        "achieved_flops_per_s": rate,
         "alpha_s": alpha,
         "alpha_fastest_s": alpha_min,
         "alpha_lone_allreduce_s": alpha_lone,
         "bandwidth_Bps": bw,
-        "jitter": jitter,
-        "step_flops": costs.sync_flops,
-        "achieved_flops_per_s": costs.sync_flops / float(t1),
-        "allreduce_measured_s": res["allreduce_s"],
-        "step_times": res["step_times"],
-        "cpu_times": res["cpu_times"],
+        "step_flops": flops,
+    }
+
+
+def check_cpu(
+    processes=(1, 2, 3, 4),
+    steps: int = 5,
+    rounds: int = 4,
+    batch: int = 16,
+    widths=(32, 48),
+    cores: int | None = None,
+) -> dict[str, Any]:
+    """Measures the sync step at `processes` x `widths` and checks `fit_and_predict` on it.
+
+    Returns:
+      `fit_and_predict`'s result plus the raw measurements and the load average before and
+      after.
+    """
+    processes = tuple(sorted(set(processes)))
+    if processes[:2] != (1, 2) or len(processes) < 3:
+        raise ValueError(
+            f"processes {processes}: need 1 and 2 (calibration) and at least one larger count"
+        )
+    cores = cores or os.cpu_count() or 1
+    load_before = os.getloadavg()
+    res = run_processes(processes, tuple(widths), steps, rounds, batch)
+    load_after = os.getloadavg()
+    out = fit_and_predict(res, step_flops(widths, batch), cores)
+    return {
+        **out,
+        "load_average": [load_before[0], load_after[0]],
+        "load_average_1_5_15_after": list(load_after),
+        "measurements": res,
     }
 
 
