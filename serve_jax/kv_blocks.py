@@ -295,6 +295,9 @@ class KVBlockManager:
         """Tokens of the admissions that looked up the prefix cache."""
         self.prefix_hits = 0
         """Of those, tokens found cached (not computed again)."""
+        self.restore_hit_blocks = 0
+        """Blocks of offloaded requests found cached on the device at their restore (not
+        copied back from the host)."""
 
     # ---- queries -------------------------------------------------------------------------
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -336,15 +339,18 @@ class KVBlockManager:
                 hashes.append(parent)
         return hashes
 
-    def lookup_prefix(self, req: Request) -> list[int]:
+    def lookup_prefix(self, req: Request, max_tokens: int | None = None) -> list[int]:
         """Cached device blocks holding the longest prefix of ``req``'s tokens.
 
-        At most ``num_tokens - 1`` tokens are taken from the cache (the last one is computed to
-        sample from); empty when caching is off or ``req`` already holds device blocks.
+        At most ``max_tokens`` tokens (default ``num_tokens - 1``: the last one is computed to
+        sample from) are taken from the cache; empty when caching is off or ``req`` already
+        holds device blocks.
         """
         if not self.enable_prefix_caching or self.device_tables.get(req.request_id):
             return []
-        n = (req.num_tokens - 1) // self.block_size
+        if max_tokens is None:
+            max_tokens = req.num_tokens - 1
+        n = max_tokens // self.block_size
         if n <= 0:
             return []
         out = []
@@ -448,20 +454,29 @@ class KVBlockManager:
         self.device.unpin(d for d, _ in pairs)
         self.host.unpin(h for _, h in pairs)
 
-    def begin_restore(self, request_id: str) -> list[tuple[int, int]]:
+    def begin_restore(self, request_id: str, hits: list[int] = ()) -> list[tuple[int, int]]:
         """Moves ``request_id`` back to device blocks; returns (host, device) pairs to copy.
 
-        The host blocks stay in flight until `complete_restore` is called for each pair.
+        ``hits``: device blocks still cached with the request's first ``len(hits)`` blocks
+        (`lookup_prefix` over its computed tokens); they are shared instead of copied back, and
+        their host copies are freed at once. The other host blocks stay in flight until
+        `complete_restore` is called for each pair.
         """
         if request_id in self.device_tables and self.device_tables[request_id]:
             raise BlockAccountingError(f"{request_id!r} restored while holding device blocks")
         host = self.host_tables.pop(request_id, [])
-        dev = self.device.allocate(request_id, len(host))
-        self.device_tables[request_id] = dev
-        self.host.pin(host)
+        k = len(hits)
+        if k > len(host):
+            raise BlockAccountingError(f"{request_id!r}: {k} cached blocks for {len(host)} held")
+        self.device.touch(hits)
+        dev = self.device.allocate(request_id, len(host) - k)
+        self.device_tables[request_id] = [*hits, *dev]
+        self._num_registered[request_id] = k
+        self.restore_hit_blocks += k
+        self.host.pin(host[k:])
         self.device.pin(dev)
         self.host.free(request_id, host)
-        return list(zip(host, dev))
+        return list(zip(host[k:], dev))
 
     def complete_restore(self, pairs: Iterable[tuple[int, int]]) -> None:
         """The executor finished copying these (host, device) pairs."""

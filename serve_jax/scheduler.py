@@ -26,7 +26,8 @@ under the JAX engine and the simulator alike)::
    blocks this step sits the step out (it keeps its place and its pages).
    If the policy returns no victim, requests that do not fit sit the step out.
 3. Offloaded requests are restored (``SchedulerOutput.restores``) in preemption order when their
-   blocks fit, and resume right away in the same step.
+   blocks fit, and resume right away in the same step; blocks of theirs still cached on the
+   device (prefix caching) are shared instead of copied back.
 4. Waiting requests are admitted FCFS while there are sequence slots, token budget and free
    device blocks for their first chunk; admission never preempts. With prefix caching (on by
    default) an admitted request starts from the longest prefix of its tokens whose full blocks
@@ -382,11 +383,13 @@ class Scheduler:
                 break  # its pages are still being copied out; restore once they land
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             held = len(self.blocks.host_tables.get(req.request_id, ()))
-            need = max(held, self.blocks.num_blocks_for(req.num_computed_tokens + n))
-            if need > self.blocks.device.num_free:
+            # Blocks still cached on the device are shared, not copied back.
+            hits = self.blocks.lookup_prefix(req, req.num_computed_tokens)[:held]
+            need = max(held, self.blocks.num_blocks_for(req.num_computed_tokens + n)) - len(hits)
+            if need + self.blocks.num_free_among(hits) > device.num_free:
                 break
             self.offloaded.popleft()
-            out.restores.extend(self.blocks.begin_restore(req.request_id))
+            out.restores.extend(self.blocks.begin_restore(req.request_id, hits))
             self._admit(req, now)
             self.blocks.grow(req.request_id, req.num_computed_tokens + n)
             chunk = self._chunk(req, n)
@@ -525,4 +528,5 @@ class Scheduler:
             "preemptions": self.num_preemptions,
             "prefix_cache_queries": self.blocks.prefix_queries,
             "prefix_cache_hits": self.blocks.prefix_hits,
+            "restore_cache_hit_blocks": self.blocks.restore_hit_blocks,
         }

@@ -189,7 +189,7 @@ def test_fcfs_last_preempts_most_recent_and_outputs_survive(mode):
     sched = Scheduler(
         8, 16, block_size=bs, max_num_seqs=4, max_num_batched_tokens=16, policy=FcfsLastPolicy(mode)
     )
-    ex = PageStoreExecutor(8, 16, bs)
+    ex = PageStoreExecutor(8, 16, bs, cached=sched.blocks.device.is_cached)
     a = Request("a", [1, 2, 3], 8, 0.0)
     b = Request("b", [4, 5, 6], 8, 0.0)
     finished, _ = drive(sched, ex, {0: [a], 1: [b]})
@@ -256,7 +256,7 @@ def test_randomized_invariants_and_outputs(seed):
     ids = [r.request_id for rs in arrivals.values() for r in rs]
     for rid in rng.sample(ids, 2):
         aborts.append((rng.randint(0, 30), rid))
-    ex = PageStoreExecutor(num_dev, num_host, bs)
+    ex = PageStoreExecutor(num_dev, num_host, bs, cached=sched.blocks.device.is_cached)
     finished, by_id = drive(sched, ex, arrivals, abort_at=aborts)
     aborted = {rid for _, rid in aborts}
     for rid, req in by_id.items():
@@ -509,3 +509,23 @@ def test_salt_separates_equal_tokens():
     mgr.cache_computed(a)
     assert mgr.lookup_prefix(Request("b", [1] * 5, 1, 0.0, cache_salt="s2")) == []
     assert len(mgr.lookup_prefix(Request("c", [1] * 5, 1, 0.0, cache_salt="s1"))) == 2
+
+
+def test_restore_shares_blocks_still_cached_on_the_device():
+    mgr = KVBlockManager(6, 6, block_size=2)
+    a = Request("a", [1, 2, 3, 4, 5], 1, 0.0)
+    mgr.grow("a", 5)
+    a.num_computed_tokens = 5
+    mgr.cache_computed(a)
+    table = list(mgr.device_table("a"))
+    pairs = mgr.begin_offload("a")
+    mgr.complete_offload(pairs)
+    hits = mgr.lookup_prefix(a, a.num_computed_tokens)
+    assert hits == table[:2]  # the two full blocks; the partial third is copied back
+    back = mgr.begin_restore("a", hits)
+    assert len(back) == 1 and mgr.device_table("a")[:2] == hits
+    assert mgr.restore_hit_blocks == 2 and mgr.host.num_in_flight == 1
+    mgr.check_invariants()
+    mgr.complete_restore(back)
+    mgr.free("a")
+    mgr.assert_all_free()
