@@ -116,6 +116,11 @@ class Plan:
         leaves = [NamedSharding(mesh, _pspec(s)) for s in self.output_specs]
         return jax.tree_util.tree_unflatten(self.out_treedef, leaves)
 
+    def param_shardings(self, mesh=None) -> dict[str, NamedSharding]:
+        """Params leaf path -> `NamedSharding` on `mesh` (works on a plan read from JSON)."""
+        mesh = self._need_mesh(mesh)
+        return {k: NamedSharding(mesh, _pspec(v)) for k, v in self.param_paths.items()}
+
     def jit(
         self, fn: Callable[..., Any], mesh=None, constrain: bool = True, **jit_kwargs
     ) -> Callable[..., Any]:
@@ -393,7 +398,12 @@ def plan(
 
 
 def cost_with_param_specs(lowered: Lowered, specs: Callable[[str, int], Any]) -> float:
-    """Step seconds of the best plan whose params follow ``specs(path, ndim)`` (None: free)."""
+    """Step seconds of the best plan whose params follow ``specs(path, ndim)``.
+
+    ``specs`` returns a spec per dimension (mesh axes of size 1 or absent read as None) or None
+    for "no opinion": that param stays free and the search picks its best layout. A spec the
+    search space cannot express raises ValueError rather than being silently left free.
+    """
     prob = lowered.problem
     g = lowered.graph
     compute = [c.copy() for c in prob.compute]
@@ -412,7 +422,10 @@ def cost_with_param_specs(lowered: Lowered, specs: Callable[[str, int], Any]) ->
         want = tuple(x if lowered.axes.sizes.get(x, 1) > 1 else None for x in want)
         uniq, idx = lowered.spec_table[v]
         if want not in uniq:
-            continue
+            raise ValueError(
+                f"param {path!r}: spec {want} is outside the search space "
+                f"(it allows {', '.join(map(str, uniq))})"
+            )
         n = lowered.owner[v]
         compute[n] = np.where(idx == uniq.index(want), compute[n], penalty)
     fixed = dataclasses.replace(prob, compute=compute)

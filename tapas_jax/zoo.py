@@ -501,19 +501,42 @@ def build(name: str, **kwargs) -> ZooModel:
     return builder(**kwargs)
 
 
-def megatron_rules(path: str, ndim: int) -> tuple[str | None, ...] | None:
-    """Megatron-LM's hand-written specs for the zoo transformers' params (None: no opinion).
+COLUMN_PARALLEL = ("query", "key", "value", "fc1")
+"""Linear layers Megatron-LM splits on the output dimension (``ColumnParallelLinear``)."""
+ROW_PARALLEL = ("out", "fc2")
+"""Linear layers Megatron-LM splits on the input dimension (``RowParallelLinear``)."""
 
-    Query/key/value and the first MLP matmul split their output dimension over ``model``; the
-    attention output and second MLP matmul split their input dimension; everything else is
-    replicated.
+
+def megatron_rules(path: str, ndim: int) -> tuple[str | None, ...] | None:
+    """Megatron-LM's tensor-parallel specs for the zoo transformers' params; None: no opinion.
+
+    As Megatron-LM lays them out over its tensor-parallel (``model``) axis:
+
+    - the token embedding (``VocabParallelEmbedding``) splits the vocabulary, its first dim;
+    - the output head splits its output dimension (the vocabulary of the language models; the
+      classes of the ViT, whose head the zoo names alike);
+    - query/key/value and the first MLP matmul (column parallel) split the output dimension of
+      their kernel and their bias;
+    - the attention output and second MLP matmul (row parallel) split the input dimension of
+      their kernel; their bias, added after the all-reduce, is replicated.
+
+    Every other parameter (layer norms, position embeddings, routers, experts, patch embeddings)
+    returns None: the baseline has no opinion there and the search chooses freely (see
+    `tapas_jax.planner.cost_with_param_specs`). The batch goes over ``data`` by the planner's
+    batch axis, as in Megatron's data parallelism. Stacked (scanned) params keep their leading
+    layer dimension unsplit.
     """
     leaf = path.split("/")
-    if "kernel" in leaf[-1] and ndim >= 2:
-        if any(n in leaf for n in ("query", "key", "value", "fc1")):
-            return (None,) * (ndim - 1) + ("model",)
-        if any(n in leaf for n in ("out", "fc2")):
-            return (None,) * (ndim - 2) + ("model", None)
-    if leaf[-1] == "bias" and any(n in leaf for n in ("query", "key", "value", "fc1")):
+    name = leaf[-1]
+    if name == "embedding" and ndim >= 2:
+        return (None,) * (ndim - 2) + ("model", None)
+    if "head" in leaf and name == "kernel" and ndim >= 2:
         return (None,) * (ndim - 1) + ("model",)
-    return (None,) * ndim
+    if any(n in leaf for n in COLUMN_PARALLEL) and name in ("kernel", "bias"):
+        return (None,) * (ndim - 1) + ("model",)
+    if any(n in leaf for n in ROW_PARALLEL):
+        if name == "kernel" and ndim >= 2:
+            return (None,) * (ndim - 2) + ("model", None)
+        if name == "bias":
+            return (None,) * ndim
+    return None

@@ -67,6 +67,34 @@ def test_plan_is_no_worse_than_megatron_and_replication(gpt_small, mesh_2x4, gpt
     assert mine < cost_with_param_specs(lowered, lambda p, n: (None,) * n)
 
 
+def test_megatron_rules_split_vocabulary_and_leave_the_rest_free():
+    rules = zoo.megatron_rules
+    assert rules("embed/embedding", 2) == ("model", None)
+    assert rules("head/kernel", 2) == (None, "model")
+    assert rules("blocks/0/attn/query/kernel", 2) == (None, "model")
+    assert rules("blocks/0/attn/query/bias", 1) == ("model",)
+    assert rules("blocks/0/mlp/fc2/kernel", 2) == ("model", None)
+    assert rules("blocks/0/mlp/fc2/bias", 1) == (None,)
+    # stacked (scanned) layers keep their layer dimension whole
+    assert rules("blocks/attn/out/kernel", 3) == (None, "model", None)
+    for free in ("blocks/0/ln1/scale", "ln_f/bias", "pos"):
+        assert rules(free, 1) is None
+
+
+def test_no_opinion_leaves_params_free(gpt_small, mesh_2x4, gpt_plan):
+    m = gpt_small
+    lowered, _ = lower(m.fn, m.params, *m.inputs, mesh=mesh_2x4, hardware="tpu-v5e")
+    free = cost_with_param_specs(lowered, lambda p, n: None)
+    assert free == pytest.approx(gpt_plan.predicted["step_seconds"], rel=1e-9)
+    # pinning the norms replicated is an opinion, and may only cost more
+    pinned = cost_with_param_specs(
+        lowered, lambda p, n: zoo.megatron_rules(p, n) or (None,) * n
+    )
+    assert cost_with_param_specs(lowered, zoo.megatron_rules) <= pinned * (1 + 1e-12)
+    with pytest.raises(ValueError, match="outside the search space"):
+        cost_with_param_specs(lowered, lambda p, n: ("data",) * n if p == "pos" else None)
+
+
 def test_param_specs_pytree_matches_params(gpt_small, gpt_plan):
     specs = gpt_plan.param_specs
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
