@@ -23,6 +23,8 @@ _EXPORTS = {
     "split_mesh": ".mesh",
     "Plan": ".planner",
     "plan": ".planner",
+    "shard": ".placement",
+    "logical_axis_rules": ".placement",
     "verify": ".verification",
     "VerifyResult": ".verification",
     "MemoryInfeasibleError": ".search",
