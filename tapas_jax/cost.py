@@ -216,6 +216,31 @@ def _reshard_table(
     return t, np.array([p[1] for p in pairs]).reshape(len(src), len(dst), len(KINDS))
 
 
+def _loop_pairs(graph: Graph, param_arg: int) -> list[tuple[int, int]]:
+    """(output, param) variable pairs of a step whose outputs include its updated params.
+
+    The first output subtree with the structure of the params argument (``new_params`` of
+    ``step(params, batch) -> (new_params, loss)``) is read leaf by leaf as the next call's params.
+    """
+    if graph.in_treedef is None or graph.out_treedef is None:
+        return []
+    args = graph.in_treedef.children()
+    if param_arg >= len(args):
+        return []
+    params = [v for v, a in zip(graph.inputs, graph.input_args) if a == param_arg]
+    offset = 0
+    for child in graph.out_treedef.children():
+        if child == args[param_arg]:
+            outs = graph.outputs[offset : offset + child.num_leaves]
+            return [
+                (o, v)
+                for o, v in zip(outs, params)
+                if o is not None and o != v and graph.shapes[o] == graph.shapes[v]
+            ]
+        offset += child.num_leaves
+    return []
+
+
 def _peak_live(graph: Graph, constant: list[bool]) -> np.ndarray:
     """Intermediate variables live at the peak of the program order (replicated sizes).
 
@@ -248,6 +273,7 @@ def build_problem(
     optimizer_state_factor: float = 0.0,
     param_arg: int = 0,
     batch_axis: str | None = "data",
+    fsdp: bool = False,
 ) -> Lowered:
     """Lowers `graph` into a `Problem` over `mesh_axes` priced on `hardware`.
 
@@ -261,6 +287,9 @@ def build_problem(
       batch_axis: the mesh axis that splits the batch: on every variable with a batch dimension
         it sits on that dimension, and on no other activation (params may still be split over
         it, FSDP-style). None, or an axis the mesh lacks, leaves every axis free.
+      fsdp: the ZeRO-3 / FSDP space: a summed result may be reduce-scattered (over the batch
+        axis, or over any axis without one) instead of all-reduced, and values without a batch
+        dimension (params, gradients, updates) may stay split over the batch axis.
 
     Returns:
       The lowered problem with the tables needed to read a plan back.
@@ -295,15 +324,20 @@ def build_problem(
     else:
         bd, batch_axis = None, None
 
+    def unbatched_ok(spec: Spec, dim: int | None) -> bool:
+        return batch_ok(spec, dim, batch_axis) or (fsdp and dim is None)
+
     def keep(strategies: list[Strategy], eqn) -> list[Strategy]:
         if bd is None:
             return strategies
         ok = [
             s
             for s in strategies
-            if all(batch_ok(sp, bd[o], batch_axis) for sp, o in zip(s.out_specs, eqn.outvars))
+            # reduce-scatter only over the batch axis (ZeRO): the other axes keep all-reduces
+            if all(c[1] == batch_axis for c in s.comms if c[0] == "reduce-scatter")
+            and all(unbatched_ok(sp, bd[o]) for sp, o in zip(s.out_specs, eqn.outvars))
             and all(
-                sp is None or batch_ok(sp, bd[v], batch_axis)
+                sp is None or unbatched_ok(sp, bd[v])
                 for sp, v in zip(s.in_specs, eqn.invars)
                 if v is not None
             )
@@ -323,7 +357,7 @@ def build_problem(
 
     def leader_rule(e, i: int, k: int | None) -> _Rule:
         if sig[i] not in leader_cache:
-            leader_cache[sig[i]] = leader_strategies(e, graph, axes)
+            leader_cache[sig[i]] = leader_strategies(e, graph, axes, reduce_scatter=fsdp)
         strategies = leader_cache[sig[i]]
         if strategies is None and k is not None:
             strategies = free_strategies(e, graph, k, axes)
@@ -419,6 +453,27 @@ def build_problem(
         else:
             rows, cols = src_idx[:, None], dst_idx[None, :]
             prob.add_edge(u, n, c * t_small[rows, cols], c * b_small[rows, cols])
+
+    # A training step's next call reads its params in the layout this call wrote them: that
+    # reshard is part of the step (without it, writing updated params in another layout than
+    # they are read, e.g. left split over the data axis after a reduce-scatter, looks free).
+    loop: Counter = Counter()
+    for v_out, v_in in _loop_pairs(graph, param_arg):
+        loop[(rep_var[v_out], rep_var[v_in])] += 1
+    for (w, p), c in loop.items():
+        if w == p or w not in owner:
+            continue
+        (src_uniq, src_idx), (dst_uniq, dst_idx) = table[w], table[p]
+        small = _reshard_table(costs, src_uniq, dst_uniq, shapes[w], dtypes[w].itemsize)
+        if small is None:
+            continue
+        u, n = owner[w], owner[p]
+        if u == n:
+            prob.comm[u] += c * small[0][src_idx, dst_idx]
+            prob.comm_bytes[u] += c * small[1][src_idx, dst_idx]
+            continue
+        rows, cols = src_idx[:, None], dst_idx[None, :]
+        prob.add_edge(u, n, c * small[0][rows, cols], c * small[1][rows, cols])
 
     # Memory: params (+ optimizer state) and the activations live at the peak.
     mem_vars: Counter = Counter()

@@ -258,17 +258,58 @@ def _scatter_add(eqn: Eqn, graph: Graph, axes: MeshAxes) -> list[Strategy] | Non
     return strategies
 
 
-def leader_strategies(eqn: Eqn, graph: Graph, axes: MeshAxes) -> list[Strategy] | None:
-    """Strategies of a leader equation; None when the primitive has no rule (plan it replicated)."""
+def _with_reduce_scatter(strategies: list[Strategy], shape, axes: MeshAxes) -> list[Strategy]:
+    """Adds, after `strategies`, each partial-sum strategy with one summed axis scattered.
+
+    A result summed over mesh axis ``a`` (an all-reduce) may instead be left split over ``a`` on
+    a dimension it does not split yet: a reduce-scatter, half the all-reduce's traffic. This is
+    how ZeRO-3 / FSDP reduces a gradient over the data axis into the shard of the param that
+    device owns (and Megatron's sequence parallelism over the model axis). The remaining sums
+    are all-reduced on the scattered, smaller result. Appended, so ties keep the old choice.
+    """
+    extra = []
+    for s in strategies:
+        summed = [c for c in s.comms if c[0] == "all-reduce"]
+        (out,) = s.out_specs
+        for _, a, nbytes in summed:
+            rest = tuple((k, b, n / axes.sizes[a]) for k, b, n in s.comms if b != a)
+            for d, size in enumerate(shape):
+                if out[d] is not None or size % axes.sizes[a]:
+                    continue
+                scattered = out[:d] + (a,) + out[d + 1 :]
+                extra.append(
+                    Strategy(
+                        (scattered,),
+                        s.in_specs,
+                        (("reduce-scatter", a, nbytes), *rest),
+                        s.flops,
+                        s.bytes_accessed,
+                    )
+                )
+    return strategies + extra
+
+
+def leader_strategies(
+    eqn: Eqn, graph: Graph, axes: MeshAxes, reduce_scatter: bool = False
+) -> list[Strategy] | None:
+    """Strategies of a leader equation; None when the primitive has no rule (plan it replicated).
+
+    With ``reduce_scatter``, contractions also offer their summed results reduce-scattered
+    (`_with_reduce_scatter`: the FSDP / ZeRO-3 space).
+    """
     p = eqn.prim
+    scatter = _with_reduce_scatter if reduce_scatter else (lambda s, shape, axes: s)
     if p in SOURCES:
         return [replicated(eqn, graph)]
     if p == "dot_general":
-        return _dot(eqn, graph, axes)
+        return scatter(_dot(eqn, graph, axes), graph.shapes[eqn.outvars[0]], axes)
     if p == "scan_carry":
         return [Strategy((s,), (s, s)) for s in candidate_specs(graph.shapes[eqn.outvars[0]], axes)]
     if p == "conv_general_dilated":
-        return _conv(eqn, graph, axes)
+        conv = _conv(eqn, graph, axes)
+        if conv is None:
+            return None
+        return scatter(conv, graph.shapes[eqn.outvars[0]], axes)
     if p == "gather":
         return _gather(eqn, graph, axes)
     if p == "scatter-add":

@@ -27,7 +27,7 @@ from .cost import Lowered, build_problem
 from .fold import fold_repeated_blocks, no_folding
 from .graph import Graph, build_graph
 from .hardware import HardwareProfile, get_profile
-from .search import solve
+from .search import MemoryInfeasibleError, solve
 
 __all__ = ["Plan", "plan", "lower", "plan_from_lowered", "cost_with_param_specs"]
 
@@ -257,14 +257,19 @@ def lower(
     fold=True,
     optimizer_state_factor=0.0,
     batch_axis: str | None = "data",
+    fsdp: bool = False,
+    graph: Graph | None = None,
 ) -> tuple[Lowered, float]:
-    """Traces, folds and lowers; returns the lowered problem and the seconds spent folding."""
-    graph = build_graph(fn, params, *inputs)
+    """Traces (unless ``graph`` is given), folds and lowers; returns the lowered problem and the
+    seconds spent folding and lowering."""
+    graph = build_graph(fn, params, *inputs) if graph is None else graph
     t0 = time.perf_counter()
     folding = fold_repeated_blocks(graph) if fold else no_folding(graph)
     hw = get_profile(hardware)
     axes = {k: int(v) for k, v in dict(mesh.shape).items()}
-    lowered = build_problem(graph, axes, hw, folding, optimizer_state_factor, batch_axis=batch_axis)
+    lowered = build_problem(
+        graph, axes, hw, folding, optimizer_state_factor, batch_axis=batch_axis, fsdp=fsdp
+    )
     return lowered, time.perf_counter() - t0
 
 
@@ -339,6 +344,7 @@ def plan(
     fold: bool = True,
     time_limit: float = 60.0,
     batch_axis: str | None = "data",
+    fsdp: bool | None = None,
 ) -> Plan:
     """Plans the sharding of ``fn(params, *inputs)`` on `mesh`.
 
@@ -366,6 +372,10 @@ def plan(
       time_limit: time limit of the integer-program fallback, seconds.
       batch_axis: the mesh axis that splits dimension 0 of every input after the params (and
         whatever carries it); None leaves every mesh axis free for every dimension.
+      fsdp: search the FSDP / ZeRO-3 space too (gradients reduce-scattered over the batch axis,
+        params, gradients and updates kept split over it; `tapas_jax.cost.build_problem`).
+        None (the default) adds it only where the plan without it is bound by the memory limit
+        (or does not fit), and keeps whichever plan is cheaper; True always; False never.
 
     Returns:
       The `Plan`.
@@ -375,18 +385,31 @@ def plan(
     """
     hw = get_profile(hardware)
     limit = hw.hbm_bytes if memory_limit_bytes is None else float(memory_limit_bytes)
-    lowered, lower_seconds = lower(
-        fn,
-        params,
-        *inputs,
+    graph = build_graph(fn, params, *inputs)
+    common = dict(
         mesh=mesh,
         hardware=hw,
         fold=fold,
         optimizer_state_factor=optimizer_state_factor,
         batch_axis=batch_axis,
+        graph=graph,
     )
-    result = solve(lowered.problem, limit, time_limit)
-    search_seconds = lower_seconds + result.seconds
+    lowered, search_seconds = lower(fn, params, *inputs, fsdp=bool(fsdp), **common)
+    t0 = time.perf_counter()
+    try:
+        result = solve(lowered.problem, limit, time_limit)
+    except MemoryInfeasibleError:
+        if fsdp is not None:
+            raise
+        result = None
+    search_seconds += time.perf_counter() - t0
+    if fsdp is None and (result is None or result.memory_price > 0):
+        # Memory-bound without FSDP: search the larger space too and keep the cheaper plan.
+        zero, seconds = lower(fn, params, *inputs, fsdp=True, **common)
+        zero_result = solve(zero.problem, limit, time_limit)
+        search_seconds += seconds + zero_result.seconds
+        if result is None or zero_result.objective < result.objective:
+            lowered, result = zero, zero_result
     return plan_from_lowered(
         lowered,
         result.choice,

@@ -87,9 +87,7 @@ def test_no_opinion_leaves_params_free(gpt_small, mesh_2x4, gpt_plan):
     free = cost_with_param_specs(lowered, lambda p, n: None)
     assert free == pytest.approx(gpt_plan.predicted["step_seconds"], rel=1e-9)
     # pinning the norms replicated is an opinion, and may only cost more
-    pinned = cost_with_param_specs(
-        lowered, lambda p, n: zoo.megatron_rules(p, n) or (None,) * n
-    )
+    pinned = cost_with_param_specs(lowered, lambda p, n: zoo.megatron_rules(p, n) or (None,) * n)
     assert cost_with_param_specs(lowered, zoo.megatron_rules) <= pinned * (1 + 1e-12)
     with pytest.raises(ValueError, match="outside the search space"):
         cost_with_param_specs(lowered, lambda p, n: ("data",) * n if p == "pos" else None)
@@ -125,9 +123,16 @@ def test_memory_infeasible_states_smallest_fit(gpt_small, mesh_2x4):
 def test_tight_memory_shards_more(gpt_small, mesh_2x4, gpt_plan):
     m = gpt_small
     roomy = gpt_plan.predicted["peak_memory_bytes"]
-    tight = plan(m.fn, m.params, *m.inputs, mesh=mesh_2x4, memory_limit_bytes=0.9 * roomy)
-    assert tight.predicted["peak_memory_bytes"] <= 0.9 * roomy
-    assert tight.predicted["step_seconds"] >= gpt_plan.predicted["step_seconds"]
+    # Within one search space a tighter limit never makes the step cheaper. (The default adds the
+    # FSDP space only under memory pressure, so compare each space with itself.)
+    for fsdp in (False, True):
+        roomy_plan = plan(m.fn, m.params, *m.inputs, mesh=mesh_2x4, fsdp=fsdp)
+        tight = plan(
+            m.fn, m.params, *m.inputs, mesh=mesh_2x4, memory_limit_bytes=0.9 * roomy, fsdp=fsdp
+        )
+        assert tight.predicted["peak_memory_bytes"] <= 0.9 * roomy
+        assert tight.predicted["step_seconds"] >= roomy_plan.predicted["step_seconds"]
+    assert not fsdp or roomy_plan.predicted["step_seconds"] <= gpt_plan.predicted["step_seconds"]
 
 
 def test_axes_that_do_not_divide_are_never_chosen(mesh_2x4):
