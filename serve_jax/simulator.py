@@ -149,6 +149,8 @@ class SimulationResult:
     preemption_log: list[tuple[int, float, str, str]] = dataclasses.field(default_factory=list)
     """(step, time of the step's schedule, request id, mode) of every preemption, in order."""
     step_seconds: list[float] = dataclasses.field(default_factory=list)
+    restore_cache_hit_blocks: int = 0
+    """Blocks of restored requests found cached on the device (shared, not copied back)."""
 
     @property
     def throughput_tok_s(self) -> float:
@@ -176,6 +178,7 @@ class SimulationResult:
             "wasted_recompute_tokens": self.wasted_recompute_tokens,
             "bytes_offloaded": self.bytes_offloaded,
             "bytes_restored": self.bytes_restored,
+            "restore_cache_hit_blocks": self.restore_cache_hit_blocks,
             "goodput_req_s": self.goodput_req_s,
             "slo_attainment": self.slo_attainment,
             "makespan_s": self.makespan_s,
@@ -434,6 +437,7 @@ def _result(pol, workload, feeder, sched, config: SimConfig, tally: SimMetrics) 
         predictor_error=pred_err,
         preemption_log=tally.preempt_log,
         step_seconds=tally.step_seconds,
+        restore_cache_hit_blocks=sched.blocks.restore_hit_blocks,
     )
 
 

@@ -73,6 +73,9 @@ def test_offload_moves_bytes_both_ways():
     cached = simulate(small_workload(), "predictive_nogate", TINY)
     assert cached.offload_preemptions > 0
     assert 0 < cached.bytes_restored < cached.bytes_offloaded
+    block_bytes = TINY.cost_model().block_bytes
+    hits = cached.restore_cache_hit_blocks * block_bytes
+    assert cached.bytes_restored + hits == cached.bytes_offloaded
     recompute = simulate(small_workload(), "fcfs_last", TINY)
     assert recompute.bytes_offloaded == 0 and recompute.wasted_recompute_tokens > 0
 
