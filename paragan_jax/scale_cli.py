@@ -130,7 +130,7 @@ def _inputs_table(cfg, hw, costs, params, ranges, schedule_info) -> list[dict[st
          "TPU v3 pods are 2-D tori: jax-ml scaling book, 'How to Think About TPUs'"),
         ("achieved_fraction (low, expected, high)", list(ranges["achieved_fraction"]), *af_src),
         ("jitter (low, expected, high)", list(ranges["jitter"]),
-         "given" if cfg.jitter != RANGES["jitter"][1] else "assumed",
+         "given" if list(ranges["jitter"]) != list(RANGES["jitter"]) else "assumed",
          "no published per-chip spread found (ParaGAN arXiv:2411.03999 gives none); "
          "0 dedicated, 2% expected, 5% congested host"),
         ("overlap", "per row (overlap_hidden)" if sched else params.overlap,
