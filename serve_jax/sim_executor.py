@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from serve_jax.costmodel import RooflineCostModel
 from serve_jax.interface import ExecutorOutput, Request, SchedulerOutput
 
-__all__ = ["SimulatedExecutor", "STOP_TOKEN", "TOKEN", "ConstTokens", "compact_tokens"]
+__all__ = ["SimulatedExecutor", "STOP_TOKEN", "TOKEN", "compact_tokens"]
 
 STOP_TOKEN = 0
 """What the simulated executor samples to end a request."""
@@ -31,7 +31,7 @@ TOKEN = 1
 """Every other token (prompts and outputs) of a simulated request."""
 
 
-class ConstTokens:
+class _ConstTokens:
     """A read-only sequence of ``n`` copies of one token id (prompts of simulated requests)."""
 
     __slots__ = ("n", "tok")
@@ -147,5 +147,5 @@ class SimulatedExecutor:
 
 def compact_tokens(req: Request) -> None:
     """Keeps only the counts of a finished request's tokens (memory of long traces)."""
-    req.prompt_token_ids = ConstTokens(req.num_prompt_tokens)  # type: ignore[assignment]
-    req.output_token_ids = ConstTokens(req.num_output_tokens)  # type: ignore[assignment]
+    req.prompt_token_ids = _ConstTokens(req.num_prompt_tokens)  # type: ignore[assignment]
+    req.output_token_ids = _ConstTokens(req.num_output_tokens)  # type: ignore[assignment]
