@@ -89,6 +89,16 @@ def test_shard_places_params_by_the_plan_and_keeps_outputs(planned, mesh_2x4):
     np.testing.assert_allclose(np.asarray(model(tokens)), logits, rtol=1e-4, atol=1e-6)
 
 
+def test_shard_takes_a_plan_read_from_json(planned, mesh_2x4):
+    model, *_, p = planned
+    again = tapas_jax.Plan.from_json(p.to_json())
+    with pytest.raises(ValueError, match="no concrete mesh"):
+        shard(model, again)
+    shard(model, again, mesh=mesh_2x4)
+    kernel = model.fc1.kernel[...]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(*p.param_paths["fc1/kernel"])
+
+
 def test_shard_rejects_another_model(planned):
     *_, p = planned
     with nnx.use_eager_sharding(False):
