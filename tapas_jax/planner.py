@@ -354,7 +354,8 @@ def plan(
         def forward(params, x):
             return nnx.merge(graphdef, params, rest)(x)
         p = tapas_jax.plan(forward, params, x, mesh=make_mesh("data=2,model=4"))
-        nnx.update(model, jax.device_put(params, p.in_shardings[0]))
+        tapas_jax.shard(model, p)  # split, device_put by the plan, update (tapas_jax.placement)
+        y = p.jit(forward)(nnx.state(model, nnx.Param), x)
 
     (``params`` may be abstract: ``nnx.split(nnx.eval_shape(lambda: Model(...)), nnx.Param, ...)``.)
 
