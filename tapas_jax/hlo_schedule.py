@@ -272,7 +272,8 @@ def hidden_fraction(
 
     Each collective hides ``min(its time, share x compute_seconds)``, with ``share`` the compute
     scheduled inside it (``scheduled=True``: what the compiled program does) or independent of
-    it (``False``: what a schedule could do).
+    it (``False``: what a schedule could do; an upper bound, since collectives that share the
+    same independent compute each count it).
     """
     times = [collective_seconds(c) for c in report.collectives]
     total = sum(times)
