@@ -10,6 +10,19 @@ Public names are imported lazily, so ``python -m <package>`` can set up the simu
 """
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what the lazy exports below resolve to, for type checkers
+    from .collectives import collective_seconds
+    from .config import ConfigError, load_config
+    from .fold import fold_repeated_blocks
+    from .graph import build_graph
+    from .hardware import HardwareProfile, get_profile
+    from .mesh import MeshSpecError, abstract_mesh, make_mesh, split_mesh
+    from .placement import logical_axis_rules, shard
+    from .planner import Plan, plan
+    from .search import MemoryInfeasibleError
+    from .verification import VerifyResult, verify
 
 _EXPORTS = {
     "ConfigError": ".config",
@@ -32,7 +45,26 @@ _EXPORTS = {
     "fold_repeated_blocks": ".fold",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [  # the keys of _EXPORTS (a literal list, so tools see the names)
+    "ConfigError",
+    "HardwareProfile",
+    "MemoryInfeasibleError",
+    "MeshSpecError",
+    "Plan",
+    "VerifyResult",
+    "abstract_mesh",
+    "build_graph",
+    "collective_seconds",
+    "fold_repeated_blocks",
+    "get_profile",
+    "load_config",
+    "logical_axis_rules",
+    "make_mesh",
+    "plan",
+    "shard",
+    "split_mesh",
+    "verify",
+]
 
 
 def __getattr__(name):
