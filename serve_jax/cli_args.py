@@ -15,9 +15,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+from serve_jax.preemption import ABLATIONS, POLICY_NAMES
 from serve_jax.workloads import WORKLOAD_NAMES, WorkloadConfig
 
-__all__ = ["add_workload_args", "workload_config", "add_slo_args", "write_json"]
+__all__ = [
+    "add_workload_args",
+    "workload_config",
+    "add_policy_args",
+    "policy_names",
+    "add_slo_args",
+    "write_json",
+]
 
 
 def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadConfig) -> None:
@@ -96,6 +104,37 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
         max_output_len=args.max_output_len,
         seed=args.seed,
     )
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    """Adds the policy choice and ``predictive``'s two knobs (simulate and crosscheck)."""
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICY_NAMES),
+        help=f"comma-separated names: {', '.join(POLICY_NAMES)} (the default), ablations "
+        f"{', '.join(ABLATIONS)}",
+    )
+    p.add_argument(
+        "--gate-quantile",
+        type=float,
+        default=None,
+        help="predictive: quantile of the remaining length its admission gate uses (default 0.7)",
+    )
+    p.add_argument(
+        "--cheap-preemption-steps",
+        type=float,
+        default=None,
+        help="predictive: admit past the gate when a later recompute would cost at most this "
+        "many decode steps (default 0: never)",
+    )
+
+
+def policy_names(args: argparse.Namespace) -> list[str]:
+    """The names given to ``--policies``; an empty list is an error."""
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not names:
+        raise ValueError("--policies is empty")
+    return names
 
 
 def add_slo_args(p: argparse.ArgumentParser, ttft_ms: float | None, tpot_ms: float | None) -> None:

@@ -23,11 +23,18 @@ import argparse
 import math
 from typing import Any
 
-from serve_jax.cli_args import add_slo_args, add_workload_args, workload_config, write_json
+from serve_jax.cli_args import (
+    add_policy_args,
+    add_slo_args,
+    add_workload_args,
+    policy_names,
+    workload_config,
+    write_json,
+)
 from serve_jax.config import EngineConfig, load_engine_config
 from serve_jax.crosscheck import replay_on_engine, simulate_replay
 from serve_jax.metrics import record_from, summarize
-from serve_jax.preemption import POLICY_NAMES, make_policy
+from serve_jax.preemption import make_policy
 from serve_jax.sim_metrics import count_cascades
 from serve_jax.simulator import simulator_config_for_engine
 from serve_jax.workloads import WorkloadConfig, build_workload
@@ -47,20 +54,7 @@ def build_parser(prog: str = "crosscheck") -> argparse.ArgumentParser:
         example="cache.num_device_blocks=16",
     )
     add_workload_args(p, WorkloadConfig(name="reasoning"))
-    p.add_argument("--policies", default=",".join(POLICY_NAMES), help="comma-separated names")
-    p.add_argument(
-        "--gate-quantile",
-        type=float,
-        default=None,
-        help="predictive: quantile of the remaining length its admission gate uses (default 0.7)",
-    )
-    p.add_argument(
-        "--cheap-preemption-steps",
-        type=float,
-        default=None,
-        help="predictive: admit past the gate when a later recompute would cost at most this "
-        "many decode steps (default 0: never)",
-    )
+    add_policy_args(p)
     p.add_argument(
         "--cascade-window-s",
         type=float,
@@ -81,9 +75,7 @@ def main(argv: list[str]) -> int:
     args = build_parser(argv[0] if argv else "crosscheck").parse_args(argv[1:])
     options = {"gate_quantile": args.gate_quantile}
     options["cheap_preemption_steps"] = args.cheap_preemption_steps
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not policies:
-        raise ValueError("--policies is empty")
+    policies = policy_names(args)
     for name in policies:
         make_policy(name, **options)  # an unknown name fails before any work
     cfg = load_engine_config(args.config or "tiny_cpu", list(args.overrides))

@@ -37,8 +37,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from serve_jax.cli_args import add_slo_args, add_workload_args, workload_config, write_json
-from serve_jax.preemption import ABLATIONS, POLICY_NAMES, make_policy
+from serve_jax.cli_args import (
+    add_policy_args,
+    add_slo_args,
+    add_workload_args,
+    policy_names,
+    workload_config,
+    write_json,
+)
+from serve_jax.preemption import make_policy
 from serve_jax.simulator import SimConfig, SimulationResult, simulate
 from serve_jax.workloads import WorkloadConfig, build_workload
 from tapas_jax.commands import command_parser
@@ -80,25 +87,7 @@ def build_parser(prog: str = "simulate") -> argparse.ArgumentParser:
         "policy); same as no_admission_after_preemption=true",
     )
     add_workload_args(p, WorkloadConfig(name="reasoning"))
-    p.add_argument(
-        "--policies",
-        default=",".join(POLICY_NAMES),
-        help=f"comma-separated names: {', '.join(POLICY_NAMES)} (the default), ablations "
-        f"{', '.join(ABLATIONS)}",
-    )
-    p.add_argument(
-        "--gate-quantile",
-        type=float,
-        default=None,
-        help="predictive: quantile of the remaining length its admission gate uses (default 0.7)",
-    )
-    p.add_argument(
-        "--cheap-preemption-steps",
-        type=float,
-        default=None,
-        help="predictive: admit past the gate when a later recompute would cost at most this "
-        "many decode steps (default 0: never)",
-    )
+    add_policy_args(p)
     add_slo_args(p, None, None)
     p.add_argument("--json", default=None, help="write the rows here (and a PNG next to it)")
     p.add_argument("--png", default=None, help="PNG path (default: the JSON path with .png)")
@@ -253,9 +242,7 @@ def plot_results(results: list[SimulationResult], path: str | Path, title: str =
 def main(argv: list[str]) -> int:
     """Runs the ``simulate`` command; ``argv[0]`` is the command name."""
     args = build_parser(argv[0] if argv else "simulate").parse_args(argv[1:])
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not policies:
-        raise ValueError("--policies is empty")
+    policies = policy_names(args)
     for name in policies:
         _make_policy(name, args)  # an unknown name fails before any work
     config = load_sim_config(args)
