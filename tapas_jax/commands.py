@@ -209,7 +209,10 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _override_rows(cls: type, prefix: str = "") -> Iterator[tuple[str, str, str]]:
+def _override_rows(
+    cls: type, prefix: str = "", defaults: Any = None
+) -> Iterator[tuple[str, str, str]]:
+    """Rows of `override_help`; ``defaults`` is the instance a nested section defaults to."""
     docs = _field_docs(cls)
     hints = _type_hints(cls)
     for field in dataclasses.fields(cls):
@@ -217,15 +220,20 @@ def _override_rows(cls: type, prefix: str = "") -> Iterator[tuple[str, str, str]
             continue
         key = prefix + field.name
         hint = hints.get(field.name, field.type)
-        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            yield from _override_rows(hint, key + ".")
-            continue
-        if field.default is not dataclasses.MISSING:
-            default = repr(field.default)
+        if defaults is not None:
+            value = getattr(defaults, field.name)
+        elif field.default is not dataclasses.MISSING:
+            value = field.default
         elif field.default_factory is not dataclasses.MISSING:
-            default = repr(field.default_factory())
+            value = field.default_factory()
         else:
-            default = "required"
+            value = dataclasses.MISSING
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            # A section's defaults are its parent's default instance, not its class defaults.
+            section = value if dataclasses.is_dataclass(value) else None
+            yield from _override_rows(hint, key + ".", section)
+            continue
+        default = "required" if value is dataclasses.MISSING else repr(value)
         type_text = field.type if isinstance(field.type, str) else getattr(hint, "__name__", "")
         yield key, f"{type_text} = {default}", docs.get(field.name, "")
 

@@ -111,3 +111,23 @@ def test_type_error_names_the_expected_type():
 def test_yaml_tag_override_is_a_config_error(item):
     with pytest.raises(ConfigError, match="YAML tags are not allowed"):
         load_config(PlanConfig, None, [item])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Section:
+    cap: int = 256
+    """Bytes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Command:
+    section: _Section = dataclasses.field(default_factory=lambda: _Section(cap=8))
+    """A nested section whose default differs from its class defaults."""
+
+
+def test_override_help_shows_a_sections_own_default():
+    from tapas_jax.commands import override_help
+
+    text = override_help(_Command)
+    assert "section.cap (int = 8)" in text
+    assert "= 256" not in text
