@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from tapas_jax.commands import override_help
 from tapas_jax.config import ConfigError, PlanConfig, load_config, preset_names, preset_path
 
 
@@ -126,8 +127,6 @@ class _Command:
 
 
 def test_override_help_shows_a_sections_own_default():
-    from tapas_jax.commands import override_help
-
     text = override_help(_Command)
     assert "section.cap (int = 8)" in text
     assert "= 256" not in text
