@@ -81,8 +81,9 @@ class ScalingCommand:
     """Also measure these CPU process counts (1 and 2 fit, e.g. 1,2,3,4); empty: no check."""
     check_steps: int = 5
     """Steps per round per process count of the CPU check."""
-    check_widths: list[int] = dataclasses.field(default_factory=lambda: [32, 48])
-    """Model widths of the CPU check: the first is fitted, the others only predicted."""
+    check_widths: list[int] = dataclasses.field(default_factory=lambda: [16, 32, 48])
+    """Model widths of the CPU check: the first two fit the step's FLOP rate and fixed cost (one
+    process), the others are only predicted (with two widths, only the first is fitted)."""
     json: str | None = None
     """Write the rows and inputs here (and the plot next to it as .png)."""
 
@@ -312,7 +313,8 @@ def _print_prediction(cfg, hw, rows, inputs, paper, info) -> None:
 def _print_check(check: dict[str, Any]) -> None:
     print(
         f"CPU check ({check['cores']} cores; fitted on width {check['fitted_width']} at 1 and 2 "
-        f"processes: {check['achieved_flops_per_s'] / 1e9:.2f} GFLOP/s, "
+        f"processes: {check['achieved_flops_per_s'] / 1e9:.2f} GFLOP/s plus "
+        f"{1e3 * check.get('fixed_step_s', 0.0):.2f} ms fixed per step, "
         f"{check['cores_busy_1_process']:.2f} cores busy per process, per-hop latency in the "
         f"step {1e3 * check['alpha_s']:.2f} ms (lone all-reduce: "
         f"{1e3 * check['alpha_lone_allreduce_s']:.2f} ms), {check['bandwidth_Bps'] / 1e9:.2f} "

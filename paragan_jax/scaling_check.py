@@ -230,6 +230,12 @@ def step_flops(widths, batch: int) -> dict[str, float]:
 def fit_and_predict(res: dict[str, Any], flops: dict[str, float], cores: int) -> dict[str, Any]:
     """Fits on (first width; 1 and 2 processes) and predicts every other measured pair.
 
+    With three or more widths, the second width's 1-process step is fitted too, so that a step's
+    time is ``fixed + FLOPs / rate`` (a per-step cost that does not grow with the model: op
+    dispatch and small kernels, which dominate small models on a CPU) rather than ``FLOPs /
+    rate`` alone; the remaining widths are then a model size the fit never saw. With two
+    widths the fixed part is zero.
+
     Args:
       res: the workers' measurements (`run_processes`).
       flops: each width's step FLOPs per process (`step_flops`).
@@ -249,9 +255,20 @@ def fit_and_predict(res: dict[str, Any], flops: dict[str, float], cores: int) ->
     util = float(np.median(np.array(res["cpu_times"][f"{w0}:1"]) / base))
     q25, q75 = np.percentile(base, [25, 75])
 
+    w1 = widths[1] if len(widths) >= 3 else None
+    fitted = {(w0, 1), (w0, 2)} | ({(w1, 1)} if w1 is not None else set())
+
     def rows_for(stat, with_jitter: bool):
         t1 = float(stat(base))
+        fixed = 0.0
         rate = flops[str(w0)] / t1  # achieved FLOP/s of one process
+        if w1 is not None:
+            t_w1 = float(stat(res["step_times"][f"{w1}:1"]))
+            df = flops[str(w1)] - flops[str(w0)]
+            if df != 0 and (t_w1 - t1) / df > 0:  # else no fixed part can be told apart
+                rate = df / (t_w1 - t1)
+                fixed = max(0.0, t1 - flops[str(w0)] / rate)
+                rate = flops[str(w0)] / (t1 - fixed)
         jit_rel = float((q75 - q25) / 1.349 / np.median(base)) if with_jitter else 0.0
         terms = {}
         for w in widths:
@@ -259,7 +276,7 @@ def fit_and_predict(res: dict[str, Any], flops: dict[str, float], cores: int) ->
                 key = f"{w}:{n}"
                 coll = res["collectives"].get(key, {"count": {}, "moved_bytes": {}})
                 hops, sent = compiled_collective_terms(coll["count"], coll["moved_bytes"], n, n)
-                compute = flops[str(w)] / rate * max(1.0, n * util / cores)
+                compute = (fixed + flops[str(w)] / rate) * max(1.0, n * util / cores)
                 jit = jit_rel * expected_max_normal(n) * compute
                 measured = float(stat(res["step_times"][key]))
                 terms[(w, n)] = (measured, compute, hops, sent, jit, coll)
@@ -270,8 +287,11 @@ def fit_and_predict(res: dict[str, Any], flops: dict[str, float], cores: int) ->
             comm = hops * alpha + sent / bw
             pred = compute + comm + jit
             role = "prediction"
-            if w == w0 and n <= 2:
-                role = "fits FLOP/s, cores, jitter" if n == 1 else "fits per-hop latency"
+            if (w, n) in fitted:
+                role = {
+                    (w0, 1): "fits FLOP/s, cores, jitter",
+                    (w0, 2): "fits per-hop latency",
+                }.get((w, n), "fits fixed step cost")
             loads = res.get("load_average", {}).get(f"{w}:{n}", [])
             rows.append(
                 {
@@ -290,15 +310,16 @@ def fit_and_predict(res: dict[str, Any], flops: dict[str, float], cores: int) ->
                     "collectives": coll["count"],
                 }
             )
-        return rows, alpha, rate
+        return rows, alpha, rate, fixed
 
-    rows, alpha, rate = rows_for(np.median, True)
+    rows, alpha, rate, fixed = rows_for(np.median, True)
     # Best case (fastest step of each pair, no jitter term): least touched by other jobs.
-    rows_min, alpha_min, _ = rows_for(np.min, False)
+    rows_min, alpha_min, _, _ = rows_for(np.min, False)
     return {
         "rows": rows,
         "rows_min": rows_min,
         "fitted_width": w0,
+        "fixed_step_s": fixed,
         "cores": cores,
         "cores_busy_1_process": util,
         "achieved_flops_per_s": rate,
@@ -315,7 +336,7 @@ def check_cpu(
     steps: int = 5,
     rounds: int = 4,
     batch: int = 16,
-    widths=(32, 48),
+    widths=(16, 32, 48),
     cores: int | None = None,
 ) -> dict[str, Any]:
     """Measures the sync step at `processes` x `widths` and checks `fit_and_predict` on it.
