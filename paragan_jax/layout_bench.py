@@ -12,13 +12,13 @@ value. Settings are `LayoutBenchCommand` (``--config``, flags, ``key=value`` ove
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from tapas_jax.commands import write_json
 
 from .command_config import command_config_parser, load_command_config
 from .layout import conv_nhwc, conv_s2d, host_space_to_depth, padding_waste
@@ -128,8 +128,5 @@ def main(argv: list[str]) -> int:
     )
     cfg = load_command_config(LayoutBenchCommand, parser.parse_intermixed_args(argv[1:]))
     rows = bench(cfg)
-    if cfg.json:
-        path = Path(cfg.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"rows": rows, "backend": jax.default_backend()}, indent=2))
+    write_json(cfg.json, {"rows": rows, "backend": jax.default_backend()})
     return 0

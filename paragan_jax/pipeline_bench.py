@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import tempfile
 import time
@@ -31,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from matplotlib.figure import Figure
+
+from tapas_jax.commands import write_json
 
 from .command_config import command_config_parser, load_command_config
 from .layout import choose_layout, stem_conv
@@ -351,10 +352,7 @@ def main(argv: list[str]) -> int:
     )
     cfg = load_command_config(BenchPipelineCommand, parser.parse_intermixed_args(argv[1:]))
     out = bench_pipeline(cfg)
-    if cfg.json:
-        path = Path(cfg.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2))
+    write_json(cfg.json, out)
     if cfg.png:
         _plot_trace(out["adaptive_trace"], Path(cfg.png))
     return 0

@@ -16,13 +16,13 @@ train-multihost (internal, run on every TPU VM worker by ``scripts/tpu_run.sh``)
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import jax
 from matplotlib.figure import Figure
 
+from tapas_jax.commands import write_json
 from tapas_jax.hardware import get_profile
 
 from . import cli
@@ -340,13 +340,11 @@ def scaling(argv: list[str]) -> int:
     )
     cfg = load_command_config(ScalingCommand, parser.parse_intermixed_args(argv))
     out = run_scaling(cfg)
-    if cfg.json:
-        path = Path(cfg.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2))
+    path = write_json(cfg.json, out)
+    if path:
         png = path.with_suffix(".png")
         plot_scaling(out, png)
-        print(f"wrote {path} and {png}")
+        print(f"wrote {png}")
     return 0
 
 

@@ -20,14 +20,14 @@ import httpx
 import jax
 
 from serve_jax import loadgen
-from serve_jax.cli_args import add_slo_args, add_workload_args, workload_config, write_json
+from serve_jax.cli_args import add_slo_args, add_workload_args, workload_config
 from serve_jax.config import EngineConfig, load_engine_config
 from serve_jax.engine import Engine
 from serve_jax.metrics import Slo, format_table, summarize
 from serve_jax.replay import replay_trace
 from serve_jax.server import run_server
 from serve_jax.workloads import WorkloadConfig, build_workload
-from tapas_jax.commands import command_parser
+from tapas_jax.commands import command_parser, write_json
 
 __all__ = ["main"]
 

@@ -11,9 +11,6 @@ by ``--help`` (`tapas_jax.commands.command_parser`).
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
-from typing import Any
 
 from serve_jax.preemption import ABLATIONS, POLICY_NAMES
 from serve_jax.workloads import WORKLOAD_NAMES, WorkloadConfig
@@ -24,7 +21,6 @@ __all__ = [
     "add_policy_args",
     "policy_names",
     "add_slo_args",
-    "write_json",
 ]
 
 
@@ -145,13 +141,3 @@ def add_slo_args(p: argparse.ArgumentParser, ttft_ms: float | None, tpot_ms: flo
     p.add_argument(
         "--slo-tpot-ms", type=float, default=tpot_ms, help=f"TPOT objective, ms (default {tpot_ms})"
     )
-
-
-def write_json(path: str | Path | None, payload: Any) -> None:
-    """Writes ``payload`` as JSON at ``path`` (parents created) and says so; no-op for None."""
-    if not path:
-        return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=float))
-    print(f"wrote {path}")

@@ -29,7 +29,6 @@ from serve_jax.cli_args import (
     add_workload_args,
     policy_names,
     workload_config,
-    write_json,
 )
 from serve_jax.config import EngineConfig, load_engine_config
 from serve_jax.crosscheck import replay_on_engine, simulate_replay
@@ -38,7 +37,7 @@ from serve_jax.preemption import make_policy
 from serve_jax.sim_metrics import count_cascades
 from serve_jax.simulator import simulator_config_for_engine
 from serve_jax.workloads import WorkloadConfig, build_workload
-from tapas_jax.commands import command_parser
+from tapas_jax.commands import command_parser, write_json
 
 __all__ = ["main", "build_parser"]
 

@@ -43,12 +43,11 @@ from serve_jax.cli_args import (
     add_workload_args,
     policy_names,
     workload_config,
-    write_json,
 )
 from serve_jax.preemption import make_policy
 from serve_jax.simulator import SimConfig, SimulationResult, simulate
 from serve_jax.workloads import WorkloadConfig, build_workload
-from tapas_jax.commands import command_parser
+from tapas_jax.commands import command_parser, write_json
 from tapas_jax.config import load_config, preset_path
 
 __all__ = ["main", "build_parser", "load_sim_config", "plot_results", "best_baseline_ratios"]

@@ -19,14 +19,12 @@ as one line (exit status 2).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 from . import zoo
 from .bench import main as bench_main
-from .commands import command_parser
+from .commands import command_parser, write_json
 from .config import PlanConfig, load_config, preset_path
 from .mesh import abstract_mesh, make_mesh
 from .planner import plan
@@ -94,13 +92,6 @@ def mesh_for(cfg: PlanConfig):
     return make_mesh(cfg.mesh)
 
 
-def _write(path: str | None, payload: dict) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=1))
-        print(f"wrote {path}")
-
-
 def _plan(argv: list[str]) -> int:
     args = _parser("plan").parse_args(argv[1:])
     cfg = config_from_args(args)
@@ -123,7 +114,7 @@ def _plan(argv: list[str]) -> int:
     payload["total_seconds"] = total
     payload["model"] = cfg.model
     payload["layers"] = cfg.layers
-    _write(args.json, payload)
+    write_json(args.json, payload)
     return 0
 
 
@@ -155,7 +146,7 @@ def _verify(argv: list[str]) -> int:
     print(f"max abs error {r.max_abs_error:.3g}, max relative error {r.max_rel_error:.3g}")
     payload = r.to_dict()
     payload["plan"] = p.to_dict()
-    _write(args.json, payload)
+    write_json(args.json, payload)
     ok = r.max_rel_error <= 1e-5
     if not ok:
         print("error: sharded outputs differ from the unsharded ones", file=sys.stderr)

@@ -31,6 +31,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import inspect
+import json
 import os
 import sys
 import textwrap
@@ -42,6 +43,7 @@ from typing import Any, NamedTuple
 from .config import preset_names
 
 __all__ = [
+    "write_json",
     "CONSOLE_SCRIPTS",
     "Command",
     "OPTIONAL_MODULES",
@@ -296,3 +298,17 @@ def command_parser(
             help=f"key=value overrides, e.g. {example} (keys listed below)",
         )
     return parser
+
+
+def write_json(path: str | os.PathLike | None, payload: Any) -> Path | None:
+    """Writes a command's ``payload`` as JSON at ``path`` (parents created) and says so.
+
+    Does nothing for None or "" (no ``--json`` given). NumPy scalars are written as floats.
+    """
+    if not path:
+        return None
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    print(f"wrote {path}")
+    return path
