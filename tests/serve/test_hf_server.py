@@ -8,49 +8,24 @@ conversation the template rejects (its ``raise_exception``) is a 400 naming ``me
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from serve_jax.config import load_engine_config
 from serve_jax.engine import Engine
-from serve_jax.server import EngineLoop, build_app
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=["llama3", "llama2"])
-def server(request):
+def server(request, running_server):
     d = FIXTURES / request.param
     cfg = load_engine_config("tiny_cpu", [f"model.path={d}", f"model.name={request.param}"])
     engine = Engine(cfg)
-    loop = EngineLoop(engine)
-    loop.start()
-    port = _free_port()
-    uv = uvicorn.Server(
-        uvicorn.Config(build_app(loop, cfg), host="127.0.0.1", port=port, log_level="error")
-    )
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not uv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", request.param, engine
-    uv.should_exit = True
-    thread.join(timeout=10)
-    loop.stop()
+    with running_server(engine, cfg) as url:
+        yield url, request.param, engine
 
 
 def test_chat_uses_the_models_template(server):

@@ -9,49 +9,25 @@ from __future__ import annotations
 
 import json
 import random
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 from serve_jax.config import load_engine_config
 from serve_jax.engine import Engine
 from serve_jax.kv_cache import dense_greedy_generate
-from serve_jax.server import EngineLoop, build_app
 
 MAX_QUEUE = 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server():
+def server(running_server):
     cfg = load_engine_config("tiny_cpu", [f"server.max_queue={MAX_QUEUE}"])
     engine = Engine(cfg)
     engine.warmup()
-    loop = EngineLoop(engine)
-    loop.start()
-    port = _free_port()
-    uv = uvicorn.Server(
-        uvicorn.Config(build_app(loop, cfg), host="127.0.0.1", port=port, log_level="error")
-    )
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not uv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine, cfg
-    uv.should_exit = True
-    thread.join(timeout=10)
-    loop.stop()
+    with running_server(engine, cfg) as url:
+        yield url, engine, cfg
 
 
 def wait_idle(engine, timeout=20.0):
