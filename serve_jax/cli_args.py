@@ -33,7 +33,7 @@ def add_workload_args(p: argparse.ArgumentParser, defaults: WorkloadConfig) -> N
         dest="workload",
         default=defaults.name,
         metavar="NAME",
-        help=f"{', '.join(WORKLOAD_NAMES)}, or an Azure-format CSV path "
+        help=f"{', '.join(WORKLOAD_NAMES)}, or an Azure-format CSV path (.csv, .csv.gz) "
         f"(TIMESTAMP, ContextTokens, GeneratedTokens); default {defaults.name}",
     )
     g.add_argument(

@@ -5,11 +5,12 @@ arrival; ``replay``, ``bench`` and ``simulate`` all build theirs with `build_wor
 `WorkloadConfig` (the same flags on every command, see `serve_jax.cli_args`). Families:
 
 - traces in the Azure LLM inference format (``TIMESTAMP, ContextTokens, GeneratedTokens``):
-  ``conv`` / ``code`` (samples shipped in ``serve_jax/data/``, with attribution), ``azure-conv``
-  / ``azure-code`` (the full 2023 traces in `trace_dir`), or the path of any such CSV
-  (`load_trace`). Prompt text is not part of these traces: the engine makes prompts of the given
-  length and forces the given output length. ``rate`` replaces a trace's timestamps by a gamma
-  process (`Workload.with_arrivals`).
+  ``azure-conv`` / ``azure-code`` (the full 2023 traces, shipped gzip-compressed in
+  ``serve_jax/data/`` with their CC BY 4.0 attribution), ``conv`` / ``code`` (their first 500
+  requests), or the path of any such CSV, plain or ``.csv.gz`` (`load_trace`). Prompt text is
+  not part of these traces: the engine makes prompts of the given length and forces the given
+  output length. ``rate`` replaces a trace's timestamps by a gamma process
+  (`Workload.with_arrivals`).
 - ``reasoning``: long outputs, a two-component log-normal mixture of output lengths with medians
   near 2k and 8k tokens (short and long chains of thought), moderate prompts.
 - ``agentic``: multi-turn sessions whose context grows turn after turn: turn ``k`` re-sends the
@@ -32,8 +33,9 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime as dt
+import gzip
 import math
-import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -48,16 +50,17 @@ __all__ = [
     "agentic_workload",
     "load_trace",
     "trace_path",
-    "trace_dir",
     "WORKLOAD_NAMES",
 ]
 
 _DATA = Path(__file__).resolve().parent / "data"
-_SAMPLES = {"conv": "azure_llm_conv_2023_sample.csv", "code": "azure_llm_code_2023_sample.csv"}
 _AZURE_FILES = {
-    "azure-conv": "azure_llm_conv_2023.csv",
-    "azure-code": "azure_llm_code_2023.csv",
+    "azure-conv": "azure_llm_conv_2023.csv.gz",
+    "azure-code": "azure_llm_code_2023.csv.gz",
 }
+_SAMPLE_ROWS = 500
+_SAMPLES = {"conv": "azure-conv", "code": "azure-code"}
+"""Short names of the first `_SAMPLE_ROWS` requests of a full trace."""
 _SYNTHETIC = ("reasoning", "agentic")
 WORKLOAD_NAMES = (*_SYNTHETIC, *_SAMPLES, *_AZURE_FILES)
 _COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -339,26 +342,16 @@ def agentic_workload(
     return Workload("agentic", tuple(reqs))
 
 
-def trace_dir() -> Path:
-    """Folder of the full Azure traces: ``$SERVE_JAX_TRACE_DIR``, else ``shared/traces`` next to
-    the source tree (the files are too big to ship in the package)."""
-    env = os.environ.get("SERVE_JAX_TRACE_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
-
-
 def trace_path(name: str | Path) -> Path:
-    """The CSV of a trace name (``conv``, ``code``, ``azure-conv``, ``azure-code``) or a path.
+    """The file of a trace name (``azure-conv``, ``azure-code``, ``conv``, ``code``: the files in
+    ``serve_jax/data/``) or a path (``.csv`` or ``.csv.gz``).
 
     Raises:
       FileNotFoundError: the file does not exist.
     """
     key = str(name)
-    if key in _SAMPLES:
-        path = _DATA / _SAMPLES[key]
-    elif key in _AZURE_FILES:
-        path = trace_dir() / _AZURE_FILES[key]
-    else:
-        path = Path(key)
+    key = _SAMPLES.get(key, key)
+    path = _DATA / _AZURE_FILES[key] if key in _AZURE_FILES else Path(key)
     if not path.is_file():
         raise FileNotFoundError(f"trace file {str(path)!r} does not exist")
     return path
@@ -392,8 +385,30 @@ def load_trace(name: str | Path, limit: int | None = None, skip: int = 0) -> Wor
       ValueError: a missing column or a malformed row, naming the file and line (never its text).
     """
     path = trace_path(name)
+    if str(name) in _SAMPLES:  # the first rows of a full trace
+        skip = min(skip, _SAMPLE_ROWS)
+        limit = _SAMPLE_ROWS - skip if limit is None else min(limit, _SAMPLE_ROWS - skip)
+    try:
+        rows = _read_rows(path, limit, skip)
+    except (gzip.BadGzipFile, EOFError, zlib.error):
+        raise ValueError(f"{path}: not a gzip-compressed CSV trace") from None
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    t0 = min(r[0] for r in rows)
+    rows.sort(key=lambda r: r[0])
+    reqs = tuple(
+        RequestSpec(f"a{skip + i}", t - t0, max(1, c), max(1, g))
+        for i, (t, c, g) in enumerate(rows)
+    )
+    key = str(name)
+    return Workload(key if key in _SAMPLES or key in _AZURE_FILES else path.name, reqs)
+
+
+def _read_rows(path: Path, limit: int | None, skip: int) -> list[tuple[float, int, int]]:
+    """(time, context tokens, generated tokens) of rows ``skip`` to ``skip + limit``."""
     rows: list[tuple[float, int, int]] = []
-    with path.open(newline="") as f:
+    gz = path.name.endswith(".gz")
+    with gzip.open(path, "rt", newline="") if gz else path.open(newline="") as f:
         reader = csv.DictReader(f)
         try:
             fields = reader.fieldnames or []
@@ -418,16 +433,7 @@ def load_trace(name: str | Path, limit: int | None = None, skip: int = 0) -> Wor
                 rows.append((_parse_time(row["TIMESTAMP"] or "", path, line), ctx, gen))
         except (UnicodeDecodeError, csv.Error):
             raise ValueError(f"{path}: not a CSV trace") from None
-    if not rows:
-        raise ValueError(f"{path}: no requests")
-    t0 = min(r[0] for r in rows)
-    rows.sort(key=lambda r: r[0])
-    reqs = tuple(
-        RequestSpec(f"a{skip + i}", t - t0, max(1, c), max(1, g))
-        for i, (t, c, g) in enumerate(rows)
-    )
-    key = str(name)
-    return Workload(key if key in _SAMPLES or key in _AZURE_FILES else path.name, reqs)
+    return rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,7 +467,12 @@ class WorkloadConfig:
 
 
 def _is_trace(name: str) -> bool:
-    return name in _SAMPLES or name in _AZURE_FILES or name.endswith(".csv") or Path(name).is_file()
+    return (
+        name in _SAMPLES
+        or name in _AZURE_FILES
+        or name.endswith((".csv", ".csv.gz"))
+        or Path(name).is_file()
+    )
 
 
 def _tightest(*limits: int | None) -> int | None:

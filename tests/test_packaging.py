@@ -54,7 +54,7 @@ def test_presets_and_py_typed_are_in_the_wheel(wheel):
         assert presets, package
         for name in presets:
             assert f"{package}/presets/{name}.yaml" in names
-    assert "serve_jax/data/azure_llm_conv_2023_sample.csv" in names
+    assert "serve_jax/data/azure_llm_conv_2023.csv.gz" in names
     assert not any(n.startswith(("configs/", "tests/")) for n in names)
 
 

@@ -3,6 +3,8 @@ one builder that replay, bench and simulate share."""
 
 from __future__ import annotations
 
+import gzip
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,6 @@ from serve_jax.workloads import (
     gamma_arrivals,
     load_trace,
     reasoning_workload,
-    trace_dir,
 )
 
 
@@ -145,13 +146,32 @@ def test_a_file_that_is_not_a_trace_names_the_file_not_its_contents(tmp_path):
     assert "secret" not in str(e.value)
 
 
-@pytest.mark.skipif(
-    not (trace_dir() / "azure_llm_conv_2023.csv").exists(), reason="no ../shared/traces"
-)
-def test_azure_conv_trace_from_shared_traces():
-    wl = make_workload("azure-conv", duration_s=60)
-    assert len(wl.requests) == 191  # the first minute of the trace
-    assert all(r.arrival_time < 60 for r in wl.requests)
+def test_full_azure_traces_ship_with_the_package():
+    """The full traces are package data (gzip), so the Azure tables reproduce from a clone."""
+    conv = make_workload("azure-conv", duration_s=60)
+    assert len(conv.requests) == 191  # the first minute of the trace
+    assert all(r.arrival_time < 60 for r in conv.requests)
+    code = load_trace("azure-code")
+    assert len(code.requests) == 8819 and 3430 < code.duration_s < 3440
+    # conv / code are the first 500 requests of the full traces, skip and limit within them.
+    assert load_trace("conv").requests == load_trace("azure-conv", limit=500).requests
+    assert len(load_trace("code", skip=490).requests) == 10
+    assert len(load_trace("code", skip=490, limit=50).requests) == 10
+
+
+def test_gzip_traces_by_path_and_a_bad_gzip_named_without_its_bytes(tmp_path):
+    text = "TIMESTAMP,ContextTokens,GeneratedTokens\n1.0,5,6\n3.5,7,8\n"
+    path = tmp_path / "t.csv.gz"
+    path.write_bytes(gzip.compress(text.encode()))
+    wl = make_workload(str(path))
+    assert [(r.arrival_time, r.prompt_len, r.output_len) for r in wl.requests] == [
+        (0.0, 5, 6),
+        (2.5, 7, 8),
+    ]
+    path.write_bytes(b"secret, not gzip")
+    with pytest.raises(ValueError, match="t.csv.gz: not a gzip-compressed CSV trace") as e:
+        load_trace(path)
+    assert "secret" not in str(e.value)
 
 
 def test_token_scale_shrinks_lengths_within_a_context():
