@@ -18,6 +18,7 @@ import os
 
 import httpx
 import jax
+from prometheus_client.parser import text_string_to_metric_families
 
 from serve_jax import loadgen
 from serve_jax.cli_args import add_slo_args, add_workload_args, workload_config
@@ -246,9 +247,10 @@ def _scrape_preemptions(url: str) -> float:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return float("nan")
-    for line in text.splitlines():
-        if line.startswith("serve_jax_preemptions_total "):
-            return float(line.split()[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:num_preemptions_total":
+                return float(sample.value)
     return float("nan")
 
 

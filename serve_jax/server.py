@@ -2,8 +2,7 @@
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` sends
 server-sent events, one per token, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``
-and ``GET /metrics`` (Prometheus text: running/waiting/offloaded requests, free device/host
-pages, preemptions, generated tokens and tokens/s).
+and ``GET /metrics`` (Prometheus text under vLLM's metric names: `serve_jax.prom_metrics`).
 
 Threading: the engine is single-threaded and runs in one background thread (`EngineLoop`).
 HTTP handlers never touch it directly: they submit commands (add, abort) that the loop thread
@@ -29,13 +28,12 @@ from typing import Any, Literal
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from serve_jax.config import EngineConfig
 from serve_jax.engine import Engine, RequestOutput
+from serve_jax.prom_metrics import CONTENT_TYPE_LATEST, ServeMetrics
 from serve_jax.sampling import SamplingParams
 
 __all__ = ["EngineLoop", "build_app", "run_server"]
@@ -53,9 +51,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._rate_window: deque[tuple[float, int]] = deque()
-        self.tokens_per_second = 0.0
-        self.num_step_errors = 0
+        self.metrics = ServeMetrics(engine, engine.config.model.name)
 
     def start(self) -> None:
         """Starts the engine thread."""
@@ -110,7 +106,7 @@ class EngineLoop:
     def abort(self, rid: str) -> None:
         """Aborts ``rid`` (if still running) and frees its pages; returns at once."""
         self._streams.pop(rid, None)
-        self._call(lambda: self.engine.abort(rid))
+        self._call(lambda: self.engine.abort(rid) and self.metrics.record_abort())
 
     def _emit(self, rid: str, item) -> None:
         target = self._streams.get(rid)
@@ -133,13 +129,13 @@ class EngineLoop:
             if not self.engine.has_work():
                 self._wake.wait(0.05)
                 self._wake.clear()
-                self._update_rate(0)
+                self.metrics.observe_outputs(())
                 continue
             try:
                 outputs = self.engine.step()
             except Exception as e:  # never lose an accepted request: fail it loudly
                 log.exception("engine step failed")
-                self.num_step_errors += 1
+                self.metrics.step_errors.inc()
                 for rid in list(self._streams):
                     self._emit(rid, e)
                     try:
@@ -148,21 +144,11 @@ class EngineLoop:
                         log.exception("abort after a failed step")
                     self._streams.pop(rid, None)
                 continue
-            n = 0
             for out in outputs:
-                n += len(out.new_token_ids)
                 self._emit(out.request_id, out)
                 if out.finished:
                     self._streams.pop(out.request_id, None)
-            self._update_rate(n)
-
-    def _update_rate(self, n: int) -> None:
-        now = time.monotonic()
-        self._rate_window.append((now, n))
-        while self._rate_window and self._rate_window[0][0] < now - 5.0:
-            self._rate_window.popleft()
-        span = max(now - self._rate_window[0][0], 1.0)  # at least 1 s: no spikes at start
-        self.tokens_per_second = sum(c for _, c in self._rate_window) / span
+            self.metrics.observe_outputs(outputs)
 
 
 # ---- request bodies ---------------------------------------------------------------------
@@ -265,7 +251,7 @@ def build_app(loop: EngineLoop, config: EngineConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(_prometheus_text(loop), media_type="text/plain; version=0.0.4")
+        return Response(loop.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def _submit(body: _Base, prompt, prompt_field: str, chat: bool, request: Request):
         if body.model is not None and body.model != model_name:
@@ -432,51 +418,6 @@ async def _complete(loop: EngineLoop, rid, queue, created, chat, model, request:
         "choices": [choice],
         "usage": _usage(out),
     }
-
-
-def _prometheus_text(loop: EngineLoop) -> str:
-    stats = loop.engine.stats()
-
-    class _Collector:
-        def collect(self):
-            gauges = [
-                ("serve_jax_requests_running", "Requests running", stats["running"]),
-                ("serve_jax_requests_waiting", "Requests waiting", stats["waiting"]),
-                ("serve_jax_requests_offloaded", "Requests offloaded to host", stats["offloaded"]),
-                (
-                    "serve_jax_free_device_pages",
-                    "Free device KV pages",
-                    stats["free_device_blocks"],
-                ),
-                ("serve_jax_free_host_pages", "Free host KV pages", stats["free_host_blocks"]),
-                (
-                    "serve_jax_generation_tokens_per_second",
-                    "Output tokens/s (5 s window)",
-                    loop.tokens_per_second,
-                ),
-            ]
-            for name, doc, value in gauges:
-                yield GaugeMetricFamily(name, doc, value=float(value))
-            counters = [
-                ("serve_jax_preemptions", "Preemptions", stats["preemptions"]),
-                (
-                    "serve_jax_offload_preemptions",
-                    "Preemptions by offload",
-                    stats["offload_preemptions"],
-                ),
-                (
-                    "serve_jax_generation_tokens",
-                    "Output tokens generated",
-                    stats["generated_tokens"],
-                ),
-                ("serve_jax_engine_step_errors", "Failed engine steps", loop.num_step_errors),
-            ]
-            for name, doc, value in counters:
-                yield CounterMetricFamily(name, doc, value=float(value))
-
-    registry = CollectorRegistry()
-    registry.register(_Collector())
-    return generate_latest(registry).decode()
 
 
 def run_server(config: EngineConfig, host: str | None = None, port: int | None = None) -> None:

@@ -61,14 +61,14 @@ def test_models_health_and_metrics(server):
     assert r.json()["data"][0]["id"] == cfg.model.name
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     text = httpx.get(f"{url}/metrics").text
-    for name in (
-        "serve_jax_requests_running",
-        "serve_jax_requests_waiting",
-        "serve_jax_requests_offloaded",
-        "serve_jax_free_device_pages",
-        "serve_jax_free_host_pages",
-        "serve_jax_preemptions_total",
-        "serve_jax_generation_tokens_per_second",
+    for name in (  # vLLM's names (serve_jax.prom_metrics); tests/serve/test_prom_metrics.py
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "serve_jax:num_requests_offloaded",
+        "serve_jax:host_kv_pages_used",
+        "serve_jax:generation_tokens_per_second",
     ):
         assert name in text, name
 
