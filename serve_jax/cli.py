@@ -15,16 +15,25 @@ metrics of `serve_jax.metrics` (ms).
 from __future__ import annotations
 
 import os
+import time
 
 import httpx
 import jax
 from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
 
 from serve_jax import loadgen
 from serve_jax.cli_args import add_slo_args, add_workload_args, workload_config
 from serve_jax.config import EngineConfig, load_engine_config
 from serve_jax.engine import Engine
-from serve_jax.metrics import Slo, format_table, summarize
+from serve_jax.metrics import (
+    PERCENTILE_METRICS,
+    Slo,
+    bench_result,
+    format_bench_table,
+    format_table,
+    summarize,
+)
 from serve_jax.replay import replay_trace
 from serve_jax.server import run_server
 from serve_jax.workloads import WorkloadConfig, build_workload
@@ -76,6 +85,7 @@ def _replay(argv: list[str]) -> int:
     add_workload_args(p, _TRACE_DEFAULTS)
     add_slo_args(p, 2000.0, 200.0)
     p.add_argument("--json", default=None, help="write the summary here")
+    _add_tqdm_flag(p)
     args = p.parse_args(argv)
     cfg = _engine_config(args)
     engine = Engine(cfg)
@@ -91,7 +101,10 @@ def _replay(argv: list[str]) -> int:
         f"(policy {engine.policy.name}, {cfg.cache.num_device_blocks} device pages)",
         flush=True,
     )
-    run = replay_trace(engine, workload.requests, seed=wcfg.seed)
+    with tqdm(total=len(workload.requests), disable=args.disable_tqdm, unit="req") as bar:
+        run = replay_trace(
+            engine, workload.requests, seed=wcfg.seed, progress=lambda n: bar.update(n - bar.n)
+        )
     records, duration = run.records, run.duration
     summary = summarize(records, duration, Slo(args.slo_ttft_ms, args.slo_tpot_ms))
     summary["engine"] = engine.stats()
@@ -141,9 +154,32 @@ def _bench(argv: list[str]) -> int:
         default=None,
         help="chip profile of the roofline (default: the local backend's)",
     )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="most requests in flight; the others wait on the client (vLLM's meaning)",
+    )
+    p.add_argument(
+        "--percentile-metrics",
+        default=",".join(PERCENTILE_METRICS),
+        help="comma-separated metrics that get mean/median/std/percentile keys, of "
+        f"{','.join(PERCENTILE_METRICS)} (default all four; vLLM's default leaves out e2el)",
+    )
+    p.add_argument(
+        "--metric-percentiles",
+        default="99",
+        help='comma-separated percentiles of those metrics, e.g. "25,50,75" (default 99)',
+    )
     add_workload_args(p, _TRACE_DEFAULTS)
     add_slo_args(p, 2000.0, 200.0)
-    p.add_argument("--json", default=None, help="write the summary here")
+    p.add_argument(
+        "--json",
+        default=None,
+        help="write the result here: the flat JSON of vllm bench serve --save-result "
+        "--save-detailed (for --micro: that benchmark's result)",
+    )
+    _add_tqdm_flag(p)
     args = p.parse_args(argv)
     if args.micro:
         if args.micro == "generate":
@@ -215,6 +251,13 @@ def _bench(argv: list[str]) -> int:
     if args.config or args.overrides:
         raise ValueError("--config and key=value overrides apply to --micro generate only")
     url = args.url.rstrip("/")
+    metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    try:
+        percentiles = [float(x) for x in args.metric_percentiles.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--metric-percentiles: not numbers: {args.metric_percentiles!r}"
+        ) from None
     try:
         models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
     except (httpx.HTTPError, ValueError, KeyError) as e:
@@ -226,19 +269,47 @@ def _bench(argv: list[str]) -> int:
     workload = build_workload(
         wcfg, max_prompt=max_prompt, max_output=(max_len - max_prompt) if max_len else None
     )
+    requests = workload.requests
     print(
-        f"sending {len(workload.requests)} requests of {workload.name} to {url} (model {model})",
+        f"sending {len(requests)} requests of {workload.name} to {url} (model {model}, "
+        f"max concurrency {args.max_concurrency})",
         flush=True,
     )
-    records, duration = loadgen.http_bench(url, workload.requests, model=model, seed=wcfg.seed)
-    summary = summarize(records, duration, Slo(args.slo_ttft_ms, args.slo_tpot_ms))
-    summary["server_preemptions"] = _scrape_preemptions(url)
-    print(format_table(summary))
-    write_json(
-        args.json,
-        {"command": "bench", "url": url, "workload": workload.name, "summary": summary},
-    )
+    with tqdm(total=len(requests), disable=args.disable_tqdm, unit="req") as bar:
+        records, duration = loadgen.http_bench(
+            url,
+            requests,
+            model=model,
+            seed=wcfg.seed,
+            max_concurrency=args.max_concurrency,
+            progress=bar.update,
+        )
+    last_arrival = max((r.arrival_time for r in requests), default=0.0)
+    result = {
+        "date": time.strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": "openai",
+        "backend": "openai",
+        "label": "serve_jax",
+        "model_id": model,
+        "tokenizer_id": None,
+        "num_prompts": len(requests),
+        # The workload's offered rate (its arrivals), "inf" when every request arrives at 0.
+        "request_rate": len(requests) / last_arrival if last_arrival > 0 else "inf",
+        "burstiness": wcfg.burstiness,
+        "max_concurrency": args.max_concurrency,
+        **bench_result(
+            records, duration, metrics, percentiles, Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+        ),
+        "workload": workload.name,
+        "server_preemptions": _scrape_preemptions(url),
+    }
+    print(format_bench_table(result, metrics))
+    write_json(args.json, result)
     return 0
+
+
+def _add_tqdm_flag(p) -> None:
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def _scrape_preemptions(url: str) -> float:

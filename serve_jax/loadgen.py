@@ -3,7 +3,8 @@
 (Offline trace replay on the Engine is `serve_jax.replay.replay_trace`.)
 
 * `http_bench`: replays a trace against a running server's ``/v1/completions`` with streaming,
-  timing each streamed token on the client (what vLLM's ``benchmark_serving`` measures).
+  timing each streamed chunk on the client (what ``vllm bench serve`` measures, in a
+  `serve_jax.metrics.ClientRecord` per request), optionally at most ``max_concurrency`` at once.
 * `decode_step_benchmark` / `offload_overlap_benchmark`: step-time comparisons for BENCHMARKS.md
   (paged against dense decode; runs of offload steps at 10%, 25% and 50% of the pages against
   runs of plain steps, overlapped and serial).
@@ -20,7 +21,7 @@ import asyncio
 import functools
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ from serve_jax.config import load_engine_config
 from serve_jax.engine import Engine
 from serve_jax.executor import flat_paged_step
 from serve_jax.kv_cache import DenseKVView, make_kv_pools
-from serve_jax.metrics import RequestRecord
+from serve_jax.metrics import ClientRecord
 from serve_jax.model import count_params, init_model
 from serve_jax.model_config import get_model_config
 from serve_jax.offload import HostKVTier
@@ -54,24 +55,18 @@ def synthetic_prompt(n: int, seed: int, low: int = 3, high: int = 259) -> list[i
     return [int(x) for x in rng.integers(low, high, size=n)]
 
 
-async def _one_http_request(
-    client, url: str, model: str, prompt: list[int], max_tokens: int, arrival: float
-) -> RequestRecord:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    times: list[float] = []
-    preemptions = 0
+async def _one_http_request(client, url: str, body: dict, record: ClientRecord) -> None:
+    """Sends one streaming completion; fills ``record`` as vLLM's ``RequestFuncOutput``."""
+    st = time.perf_counter()
+    record.start_time = st
+    last = st
+    text: list[str] = []
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 await resp.aread()
-                raise RuntimeError(f"HTTP {resp.status_code}")
+                record.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                return
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -79,31 +74,51 @@ async def _one_http_request(
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
-                choice = event["choices"][0]
-                n_new = len(choice.get("token_ids") or [])
+                if "error" in event:
+                    record.error = str(event["error"].get("message", event["error"]))
+                    return
                 now = time.perf_counter()
-                times.extend([now] * max(n_new, 1 if choice.get("text") else 0))
-                usage = event.get("usage") or {}
-                preemptions = usage.get("num_preemptions", preemptions)
-        ok = bool(times)
-    except Exception:
-        ok = False
-    return RequestRecord(
-        arrival_time=arrival,
-        first_token_time=times[0] if times else None,
-        token_times=tuple(times),
-        finish_time=times[-1] if times else None,
-        num_prompt_tokens=len(prompt),
-        num_output_tokens=len(times),
-        num_preemptions=preemptions,
-        success=ok,
-    )
+                choices = event.get("choices") or []
+                if choices:
+                    if record.ttft == 0.0:
+                        record.ttft = now - st
+                    else:
+                        record.itl.append(now - last)
+                    last = now
+                    text.append(choices[0].get("text") or "")
+                    record.output_tokens += len(choices[0].get("token_ids") or [])
+                usage = event.get("usage")
+                if usage:
+                    record.output_tokens = usage.get("completion_tokens", record.output_tokens)
+                    record.num_preemptions = usage.get("num_preemptions", 0)
+        record.latency = last - st
+        record.generated_text = "".join(text)
+        record.success = record.ttft > 0.0
+        if not record.success:
+            record.error = "no tokens streamed"
+    except Exception as e:  # a failed request is data, as in vLLM's harness
+        record.error = f"{type(e).__name__}: {e}"
 
 
-async def _http_bench(url, trace, model, seed, timeout_s):
+async def _http_bench(url, trace, model, seed, timeout_s, max_concurrency, progress):
     import httpx
 
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    limit = max_concurrency or 1024
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    records = [ClientRecord(prompt_len=r.prompt_len) for r in trace]
+
+    async def send(idx: int, body: dict) -> None:
+        arrival = time.perf_counter()
+        if gate is None:
+            await _one_http_request(client, url, body, records[idx])
+        else:
+            async with gate:
+                await _one_http_request(client, url, body, records[idx])
+        records[idx].queue_time = records[idx].start_time - arrival
+        if progress:
+            progress(1)
+
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         t0 = time.perf_counter()
         tasks = []
@@ -111,14 +126,18 @@ async def _http_bench(url, trace, model, seed, timeout_s):
             delay = t0 + r.arrival_time - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            prompt = synthetic_prompt(r.prompt_len, seed + idx)
-            tasks.append(
-                asyncio.create_task(
-                    _one_http_request(client, url, model, prompt, r.output_len, t0 + r.arrival_time)
-                )
-            )
-        records = await asyncio.gather(*tasks)
-        return list(records), time.perf_counter() - t0
+            body = {
+                "model": model,
+                "prompt": synthetic_prompt(r.prompt_len, seed + idx),
+                "max_tokens": r.output_len,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": True,
+            }
+            tasks.append(asyncio.create_task(send(idx, body)))
+        await asyncio.gather(*tasks)
+        return records, time.perf_counter() - t0
 
 
 def http_bench(
@@ -127,9 +146,21 @@ def http_bench(
     model: str = "serve-jax",
     seed: int = 0,
     timeout_s: float = 600.0,
-) -> tuple[list[RequestRecord], float]:
-    """Replays ``trace`` against ``url`` (streaming completions); returns records and duration."""
-    return asyncio.run(_http_bench(url.rstrip("/"), trace, model, seed, timeout_s))
+    max_concurrency: int | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[ClientRecord], float]:
+    """Replays ``trace`` against ``url`` (streaming completions, greedy, EOS ignored).
+
+    Each request is sent at its arrival time; with ``max_concurrency`` at most that many are in
+    flight (the rest wait on the client, as ``vllm bench serve --max-concurrency``).
+    ``progress`` is called with 1 as each request ends. Returns one `ClientRecord` per request
+    (trace order) and the wall seconds from the first send to the last response.
+    """
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {max_concurrency}")
+    return asyncio.run(
+        _http_bench(url.rstrip("/"), trace, model, seed, timeout_s, max_concurrency, progress)
+    )
 
 
 # ---- step-time benchmarks -----------------------------------------------------------------
