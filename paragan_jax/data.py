@@ -40,14 +40,16 @@ __all__ = [
     "Batch",
     "DataError",
     "Dataset",
+    "IMAGE_EXTS",
     "PrefetchLoader",
     "batch_at",
     "gaussian_mixture",
     "load_dataset",
+    "read_image",
 ]
 
 Batch = dict[str, np.ndarray]
-_IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
 
 
 class DataError(ValueError):
@@ -110,7 +112,8 @@ def gaussian_mixture(name: str, n: int, std: float, seed: int) -> Dataset:
     return Dataset(name, points.astype(np.float32), labels.astype(np.int32), 0, modes, std)
 
 
-def _read_image(path: Path) -> np.ndarray:
+def read_image(path: Path) -> np.ndarray:
+    """One image file as uint8 (H, W) grey or (H, W, 3) RGB."""
     from PIL import Image  # optional (the gan extra): only image folders need it
 
     try:
@@ -132,9 +135,9 @@ def _folder(path: str, resolution: int, channels: int) -> Dataset:
     images, labels, first = [], [], None
     for label, d in groups:
         for f in sorted(d.iterdir()):
-            if f.suffix.lower() not in _IMAGE_EXTS:
+            if f.suffix.lower() not in IMAGE_EXTS:
                 continue
-            img = _read_image(f)
+            img = read_image(f)
             if first is None:
                 first = (img.shape, f)
             elif img.shape != first[0]:
@@ -145,7 +148,7 @@ def _folder(path: str, resolution: int, channels: int) -> Dataset:
             images.append(img)
             labels.append(label)
     if not images:
-        raise DataError(f"no images ({', '.join(_IMAGE_EXTS)}) found under {path!r}")
+        raise DataError(f"no images ({', '.join(IMAGE_EXTS)}) found under {path!r}")
     arr = np.stack(images)
     if arr.ndim == 3:
         arr = arr[..., None]

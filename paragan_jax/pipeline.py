@@ -328,6 +328,10 @@ class InputPipeline:
       config: pipeline settings.
       process_index: this process (defaults to ``jax.process_index()``).
       process_count: processes sharing the data set (defaults to ``jax.process_count()``).
+      epoch_size: examples served per epoch, the first of each epoch's permutation (default:
+        all of this process's share). A `paragan_jax.shards.ShardedStorage` holds only its own
+        process's shards: pass ``process_index=0, process_count=1`` and its ``epoch_size``, so
+        every process serves the same number of batches.
     """
 
     def __init__(
@@ -336,6 +340,7 @@ class InputPipeline:
         config: PipelineConfig,
         process_index: int | None = None,
         process_count: int | None = None,
+        epoch_size: int | None = None,
     ):
         if process_index is None or process_count is None:
             import jax
@@ -346,6 +351,9 @@ class InputPipeline:
         self.config = config
         self.process_index = process_index
         self.process_count = process_count
+        if epoch_size is not None and not 1 <= epoch_size <= len(storage):
+            raise ValueError(f"epoch_size {epoch_size} not in [1, {len(storage)}]")
+        self.epoch_size = epoch_size
         self.batch_bytes = storage.example_nbytes() * config.batch_size
         self.controller = AimdController(config, self.batch_bytes)
         self.peak_buffer_bytes = 0
@@ -361,7 +369,7 @@ class InputPipeline:
 
     def indices(self, epoch: int) -> np.ndarray:
         """This process's examples for `epoch`, in the order they are served."""
-        return epoch_indices(
+        idx = epoch_indices(
             len(self.storage),
             epoch,
             self.config.seed,
@@ -369,6 +377,7 @@ class InputPipeline:
             self.process_index,
             self.process_count,
         )
+        return idx if self.epoch_size is None else idx[: self.epoch_size]
 
     def epoch(self, epoch: int, start_batch: int = 0) -> BatchStream:
         """The batches of one epoch (resumable at a batch position)."""

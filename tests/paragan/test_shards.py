@@ -1,0 +1,176 @@
+"""Sharded uint8 data sets: prepare, per-process reads (local and HTTP), resume, bounded memory."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from paragan_jax.data import DataError
+from paragan_jax.http_store import CongestionModel, ObjectServer
+from paragan_jax.pipeline import InputPipeline
+from paragan_jax.pipeline_control import PipelineConfig
+from paragan_jax.prepare import PrepareCommand, convert, prepare
+from paragan_jax.shards import ShardedStorage, read_manifest, write_shards
+
+
+def _random(n, hw=6, c=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (n, hw, hw, c), dtype=np.uint8), np.arange(n, dtype=np.int32)
+
+
+def _write(path, n, per_shard, hw=6):
+    images, labels = _random(n, hw)
+    chunks = [(images[i : i + 50], labels[i : i + 50]) for i in range(0, n, 50)]
+    write_shards(str(path), chunks, n, (hw, hw, 3), examples_per_shard=per_shard)
+    return images
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_each_process_reads_only_its_shards_and_together_they_cover(tmp_path, count):
+    images = _write(tmp_path, 103, per_shard=16)  # 7 shards, the last one short
+    seen = []
+    sizes = [len(ShardedStorage(str(tmp_path), q, count)) for q in range(count)]
+    for p in range(count):
+        st = ShardedStorage(str(tmp_path), p, count)
+        assert st.epoch_size == min(sizes)
+        got = [st.fetch(i) for i in range(len(st))]
+        for ex in got:
+            np.testing.assert_array_equal(ex["image"], images[ex["label"]])
+            assert ex["image"].dtype == np.uint8
+        own = {int(ex["label"]) // 16 for ex in got}  # shard of each example
+        batch = st.read(np.array([2, 0, 1]))
+        np.testing.assert_array_equal(batch["image"], images[batch["label"]])
+        assert batch["label"].tolist() == [int(got[k]["label"]) for k in (2, 0, 1)]
+        assert own == set(range(p, 7, count))
+        seen += [int(ex["label"]) for ex in got]
+    assert sorted(seen) == list(range(103))
+
+
+def test_http_reads_go_through_sockets_to_own_shards_only(tmp_path):
+    images = _write(tmp_path, 64, per_shard=16)
+    clean = CongestionModel(base_latency_s=0.0005, bandwidth_bytes_per_s=50e6)
+    with ObjectServer(tmp_path, clean, congested=False) as srv:
+        st = ShardedStorage(srv.url, process_index=1, process_count=2)
+        before = srv.counters["requests"]
+        for i in range(len(st)):
+            ex = st.fetch(i)
+            np.testing.assert_array_equal(ex["image"], images[ex["label"]])
+        per_example = (srv.counters["requests"] - before) / len(st)
+        dirs = srv.top_dirs_requested - {"manifest.json"}
+    assert dirs == {"shard-00001", "shard-00003"}
+    assert per_example <= 1.1  # one range read an example (shard indices are cached)
+
+
+def test_pipeline_over_shards_is_deterministic_and_resumes_exactly(tmp_path):
+    _write(tmp_path, 100, per_shard=20)
+    st = ShardedStorage(str(tmp_path), 0, 2)  # shards 0, 2, 4: 60 examples, epoch_size 40
+    cfg = PipelineConfig(batch_size=8, num_workers=3, drop_remainder=True, seed=4)
+
+    def run(epoch, batch, n):
+        pipe = InputPipeline(st, cfg, process_index=0, process_count=1, epoch_size=st.epoch_size)
+        with pipe.batches(epoch, batch) as it:
+            return [next(it)["label"].tolist() for _ in range(n)]
+
+    full = run(0, 0, 12)  # 5 batches an epoch: crosses two epoch boundaries
+    assert full == run(0, 0, 12)
+    assert run(1, 2, 5) == full[7:]
+    first = [x for b in full[:5] for x in b]
+    assert len(set(first)) == 40 and set(first) <= set(st.labels.tolist())
+    assert full[:5] != full[5:10]  # a fresh permutation each epoch
+
+
+def test_prepare_folder_and_npy(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    originals = {}
+    for cls in ("cat", "dog"):
+        (tmp_path / "imgs" / cls).mkdir(parents=True)
+        for k in range(3):
+            arr = rng.integers(0, 256, (10, 10, 3), dtype=np.uint8)
+            Image.fromarray(arr).save(tmp_path / "imgs" / cls / f"{k}.png")
+            originals[(cls, k)] = arr
+    m = prepare(PrepareCommand(src=str(tmp_path / "imgs"), out=str(tmp_path / "a"), resolution=8))
+    assert (m["count"], m["image_shape"], m["num_classes"]) == (6, [8, 8, 3], 2)
+    assert m["class_names"] == ["cat", "dog"] and read_manifest(str(tmp_path / "a")) == m
+    st = ShardedStorage(str(tmp_path / "a"))
+    assert st.labels.tolist() == [0, 0, 0, 1, 1, 1]
+    want = convert(originals[("dog", 2)][None], 8, 0)[0]
+    np.testing.assert_array_equal(st.fetch(5)["image"], want)
+
+    (tmp_path / "npy").mkdir()
+    floats = rng.uniform(-1, 1, (5, 4, 4)).astype(np.float32)
+    np.savez(tmp_path / "npy" / "a.npz", images=floats, labels=np.array([0, 1, 2, 3, 4]))
+    m = prepare(PrepareCommand(src=str(tmp_path / "npy"), out=str(tmp_path / "b"), channels=3))
+    assert (m["count"], m["image_shape"], m["num_classes"]) == (5, [4, 4, 3], 5)
+    img = ShardedStorage(str(tmp_path / "b")).fetch(3)["image"]
+    np.testing.assert_array_equal(img[..., 0], np.rint((floats[3] + 1) * 127.5).astype(np.uint8))
+
+
+def test_prepare_errors_name_the_problem(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "mixed").mkdir()
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "mixed" / "a.png")
+    Image.fromarray(np.zeros((9, 9, 3), np.uint8)).save(tmp_path / "mixed" / "b.png")
+    with pytest.raises(DataError, match="mixed sizes"):
+        prepare(PrepareCommand(src=str(tmp_path / "mixed"), out=str(tmp_path / "o")))
+    with pytest.raises(FileNotFoundError, match="neither"):
+        prepare(PrepareCommand(src=str(tmp_path / "none"), out=str(tmp_path / "o")))
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        ShardedStorage(str(tmp_path / "mixed"))
+    _write(tmp_path / "two", 20, per_shard=10)
+    with pytest.raises(ValueError, match="2 shards for 3 processes"):
+        ShardedStorage(str(tmp_path / "two"), 0, 3)
+
+
+_READER = textwrap.dedent(
+    """
+    import json, sys
+    from paragan_jax.pipeline import InputPipeline
+    from paragan_jax.pipeline_control import PipelineConfig
+    from paragan_jax.shards import ShardedStorage
+
+    st = ShardedStorage(sys.argv[1])
+    cfg = PipelineConfig(batch_size=32, num_workers=8, prefetch_depth=4, adaptive=False,
+                         drop_remainder=True,
+                         memory_cap_bytes=8 * 2**20)
+    n = 0
+    with InputPipeline(st, cfg, 0, 1).batches() as it:  # the same number of steps from each
+        for _ in range(int(sys.argv[2])):
+            n += len(next(it)["label"])
+    # VmHWM: this process's peak RSS (ru_maxrss would carry the parent's over exec)
+    hwm = next(l for l in open("/proc/self/status") if l.startswith("VmHWM"))
+    print(json.dumps({"examples": n, "peak_rss_kb": int(hwm.split()[1])}))
+    """
+)
+
+
+def _peak_rss_reading(path, batches: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", _READER, str(path), str(batches)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_host_memory_stays_flat_on_a_ten_times_larger_data_set(tmp_path):
+    hw, per = 128, 250  # 48 KiB an image: 12 MiB against 120 MiB
+    for name, n in (("small", 250), ("large", 2500)):
+        rng = np.random.default_rng(0)
+        chunks = (
+            (rng.integers(0, 256, (per, hw, hw, 3), dtype=np.uint8), np.zeros(per, np.int32))
+            for _ in range(n // per)
+        )
+        write_shards(str(tmp_path / name), chunks, n, (hw, hw, 3), examples_per_shard=per)
+    # A training run reads a number of steps, whatever the data set's size: 78 batches of 32
+    # are ten epochs of the small set and one of the large.
+    small = _peak_rss_reading(tmp_path / "small", 78)
+    large = _peak_rss_reading(tmp_path / "large", 78)
+    assert small["examples"] == large["examples"] == 78 * 32
+    assert large["peak_rss_kb"] <= 1.2 * small["peak_rss_kb"], (small, large)
