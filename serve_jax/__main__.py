@@ -13,6 +13,7 @@ COMMANDS = {
         "serve_jax.crosscheck_cli",
         "check the simulator against the real engine, policy by policy",
     ),
+    "roofline-check": ("serve_jax.roofline_check", "roofline step times against the CPU engine"),
 }
 
 

@@ -5,15 +5,20 @@ prefill of ``n`` tokens takes, how long one decode step of a batch takes, and ho
 blocks over the host link takes. Figures follow the jax-ml scaling-book conventions::
 
     T_math = FLOPs / (peak_flops * flops_efficiency)
-    T_hbm  = bytes / (hbm_bandwidth * hbm_efficiency)
-    T_step = max(T_math, T_hbm) + step_overhead_s
+    T_hbm  = weight bytes / (hbm_bandwidth * hbm_efficiency)
+           + KV bytes / (hbm_bandwidth * kv_efficiency)
+    T_step = max(T_math, T_hbm) + step_overhead_s      (T_math + T_hbm with overlap=False)
 
 FLOPs of a forward pass over ``t`` new tokens are ``2 * P * t`` for the matmuls (``P`` the
 non-embedding parameters plus the output projection) plus ``4 * H * D * L`` per (query, key) pair
 for attention. Bytes are the weights read once per step, the KV cache read by attention and the
-new KV written. Chip figures come from `tapas_jax.hardware` so every cost model of the stack
-agrees; the model shapes are the `serve_jax.model_config.ModelConfig` presets the engine serves
-(``llama-7b``, ``llama-13b``, ``llama3-8b``, ``tiny``, ...), at their parameter dtype.
+new KV written; KV traffic has its own efficiency (``kv_efficiency``, by default the weights')
+because a paged cache is read as a gather of blocks. An accelerator overlaps compute with memory
+traffic (the max); a CPU, whose cores do both, is closer to their sum (``overlap=False``):
+`serve_jax.roofline_check` measures which figures fit the CPU engine. Chip figures come from
+`tapas_jax.hardware` so every cost model of the stack agrees; the model shapes are the
+`serve_jax.model_config.ModelConfig` presets the engine serves (``llama-7b``, ``llama-13b``,
+``llama3-8b``, ``tiny``, ...), at their parameter dtype.
 
 KV capacity: a paged cache of ``block_size`` tokens per block holds
 ``floor(kv_bytes / (block_size * kv_bytes_per_token))`` blocks, where ``kv_bytes`` is either given
@@ -112,7 +117,11 @@ class RooflineCostModel:
     flops_efficiency: float = 0.6
     """Achieved fraction of peak FLOP/s."""
     hbm_efficiency: float = 0.8
-    """Achieved fraction of HBM bandwidth."""
+    """Achieved fraction of HBM bandwidth reading the weights."""
+    kv_efficiency: float | None = None
+    """Achieved fraction of HBM bandwidth reading and writing paged KV; None: ``hbm_efficiency``."""
+    overlap: bool = True
+    """Compute overlaps memory traffic (step = the larger); False adds them (a CPU)."""
     host_link_bandwidth: float | None = None
     """Device-to-host B/s for KV offload; None takes the profile's figure."""
     host_link_efficiency: float = 0.8
@@ -125,8 +134,10 @@ class RooflineCostModel:
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        for name in ("flops_efficiency", "hbm_efficiency", "host_link_efficiency"):
+        for name in ("flops_efficiency", "hbm_efficiency", "kv_efficiency", "host_link_efficiency"):
             v = getattr(self, name)
+            if name == "kv_efficiency" and v is None:
+                continue
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {v}")
         if self.host_link_bandwidth is not None and self.host_link_bandwidth <= 0:
@@ -144,6 +155,7 @@ class RooflineCostModel:
             "_kv_bytes": float(m.kv_bytes_per_token()),
             "_flops_rate": hw.peak_flops * self.flops_efficiency,
             "_hbm_rate": hw.hbm_bandwidth * self.hbm_efficiency,
+            "_kv_rate": hw.hbm_bandwidth * (self.kv_efficiency or 1.0),
         }
         for k, v in consts.items():
             object.__setattr__(self, k, v)
@@ -180,10 +192,14 @@ class RooflineCostModel:
         if new_tokens == 0:
             return 0.0
         flops = self._flops_per_token * new_tokens + self._flops_per_pair * attention_pairs
-        bytes_ = self._weight_bytes + self._kv_bytes * (kv_read_tokens + new_tokens)
+        kv_bytes = self._kv_bytes * (kv_read_tokens + new_tokens)
         t_math = flops / self._flops_rate
-        t_hbm = bytes_ / self._hbm_rate
-        return max(t_math, t_hbm) + self.step_overhead_s
+        if self.kv_efficiency is None:  # one rate: the same arithmetic as before kv_efficiency
+            t_hbm = (self._weight_bytes + kv_bytes) / self._hbm_rate
+        else:
+            t_hbm = self._weight_bytes / self._hbm_rate + kv_bytes / self._kv_rate
+        t = max(t_math, t_hbm) if self.overlap else t_math + t_hbm
+        return t + self.step_overhead_s
 
     # -- CostHints ----------------------------------------------------------------------------
 

@@ -71,3 +71,25 @@ def test_bad_inputs_name_the_problem():
         kv_capacity_blocks("llama-7b", "h100", kv_memory_gb=0)
     with pytest.raises(ValueError, match="flops_efficiency"):
         RooflineCostModel.create("llama-7b", "h100", flops_efficiency=2.0)
+    with pytest.raises(ValueError, match="kv_efficiency"):
+        RooflineCostModel.create("llama-7b", "h100", kv_efficiency=0.0)
+
+
+def test_kv_traffic_efficiency_and_no_overlap():
+    """kv_efficiency prices paged-KV bytes apart from weight reads; overlap=False adds compute
+    and memory time (a CPU) instead of taking the larger."""
+    hw, m = get_profile("h100"), get_model_config("llama-7b")
+    w, kv = weight_bytes(m), m.kv_bytes_per_token()
+    base = RooflineCostModel.create("llama-7b", "h100", step_overhead_s=0.0)
+    slow_kv = RooflineCostModel.create("llama-7b", "h100", kv_efficiency=0.2, step_overhead_s=0.0)
+    t_hbm = w / (hw.hbm_bandwidth * 0.8) + 8 * 1001 * kv / (hw.hbm_bandwidth * 0.2)
+    assert slow_kv.decode_seconds(8, 8 * 1000) == pytest.approx(t_hbm, rel=1e-9)
+    assert base.decode_seconds(8, 8 * 1000) < slow_kv.decode_seconds(8, 8 * 1000)
+    summed = RooflineCostModel.create("llama-7b", "h100", overlap=False, step_overhead_s=0.0)
+    n = 512
+    t_math = (2 * matmul_params(m) * n + 4 * 32 * 128 * 32 * n * (n + 1) / 2) / (
+        hw.peak_flops * 0.6
+    )
+    t_mem = (w + n * kv) / (hw.hbm_bandwidth * 0.8)
+    assert summed.prefill_seconds(n) == pytest.approx(t_math + t_mem, rel=1e-9)
+    assert base.prefill_seconds(n) == pytest.approx(max(t_math, t_mem), rel=1e-9)
