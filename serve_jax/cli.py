@@ -69,12 +69,26 @@ def _add_model_flag(p) -> None:
     )
 
 
+def _add_memory_flag(p) -> None:
+    p.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="size the device KV pages from F of the device's memory after weights and "
+        "activations (vLLM's --gpu-memory-utilization); same as "
+        "cache.kv_cache_memory_fraction=F",
+    )
+
+
 def _engine_config(args) -> EngineConfig:
-    """The engine config of ``--config`` (default cpu_demo), ``--model``, ``--policy`` and the
-    overrides (which win)."""
+    """The engine config of ``--config`` (default cpu_demo), ``--model``, ``--policy``,
+    ``--kv-cache-memory-fraction`` and the overrides (which win)."""
     model = getattr(args, "hf_model", None)
     overrides = [f"model.path={model}", f"model.name={model}"] if model else []
     overrides += [f"scheduler.policy={args.policy}"] if args.policy else []
+    fraction = getattr(args, "kv_cache_memory_fraction", None)
+    overrides += [f"cache.kv_cache_memory_fraction={fraction}"] if fraction is not None else []
     return load_engine_config(args.config or "cpu_demo", overrides + list(args.overrides))
 
 
@@ -82,6 +96,7 @@ def _replay(argv: list[str]) -> int:
     p = _engine_parser("replay", "Run the engine offline on a workload; print its metrics.")
     _add_policy_flag(p)
     _add_model_flag(p)
+    _add_memory_flag(p)
     add_workload_args(p, _TRACE_DEFAULTS)
     add_slo_args(p, 2000.0, 200.0)
     p.add_argument("--json", default=None, help="write the summary here")
@@ -89,6 +104,9 @@ def _replay(argv: list[str]) -> int:
     args = p.parse_args(argv)
     cfg = _engine_config(args)
     engine = Engine(cfg)
+    cfg = engine.config  # with the sized pages, when sized from memory
+    if engine.kv_sizing is not None:
+        print(engine.kv_sizing.describe(), flush=True)
     # Leave room for the output within the context.
     max_prompt = engine.max_model_len // 2
     wcfg = workload_config(args)
@@ -331,6 +349,7 @@ def _serve(argv: list[str]) -> int:
     p.add_argument("--port", type=int, default=None, help="TCP port; same as server.port=...")
     _add_policy_flag(p)
     _add_model_flag(p)
+    _add_memory_flag(p)
     args = p.parse_args(argv)
     cfg = _engine_config(args)
     run_server(cfg, host=args.host, port=args.port)

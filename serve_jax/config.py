@@ -55,7 +55,15 @@ class CacheSection:
     block_size: int = 16
     """Tokens per page."""
     num_device_blocks: int = 256
-    """Pages in device memory."""
+    """Pages in device memory (replaced by the sizing when kv_cache_memory_fraction is set)."""
+    kv_cache_memory_fraction: float | None = None
+    """Fraction of the device's memory the engine may use for weights, activations and KV
+    (vLLM's gpu_memory_utilization): the device pages are what is left after the weights and
+    the largest step's activations (`serve_jax.sizing`); start-up is refused if they cannot
+    hold one request of the model's maximum length. None: num_device_blocks as given."""
+    device_memory_bytes: int | None = None
+    """Memory to size against instead of the device's (``memory_stats()`` on GPU/TPU; on CPU the
+    host memory available at start-up)."""
     num_host_blocks: int = 256
     """Pages in host (pinned) memory for offload; 0 disables the host tier."""
     enable_prefix_caching: bool = True

@@ -49,6 +49,7 @@ from serve_jax.scheduler import (
     Scheduler,
     VictimPolicy,
 )
+from serve_jax.sizing import size_kv_cache
 from serve_jax.tokenizer import IncrementalDecoder, load_tokenizer
 from tapas_jax.hardware import profile_for_device
 from tapas_jax.mesh import make_mesh
@@ -230,6 +231,8 @@ class Engine:
                 f"tokenizer has {self.tokenizer.vocab_size} ids, model vocab_size is "
                 f"{self.model_config.vocab_size}"
             )
+        # cache.kv_cache_memory_fraction: device pages from memory (serve_jax.sizing)
+        self.config, self.kv_sizing = size_kv_cache(self.config, self.model_config, model, mesh)
         cc, sc = self.config.cache, self.config.scheduler
         self.policy = policy or resolve_policy(sc.policy, sc.preempt_mode)
         if costs is None:

@@ -5,8 +5,9 @@ the same `ModelConfig` with the roofline of `serve_jax.costmodel`, so a model na
 shape everywhere (``--model`` of ``simulate``, ``model.preset`` of an engine config).
 
 Presets: ``tiny`` (tests), ``small`` (~24M parameters, the CPU demo), and the Llama shapes
-``llama-7b`` (Llama-2-7B), ``llama-13b`` (Llama-2-13B) and ``llama3-8b`` (Llama-3-8B, grouped-query
-attention) for planning and simulation (not meant to be instantiated on CPU).
+``llama3.2-1b`` (Llama-3.2-1B: the bf16 one-chip serving presets), ``llama-7b`` (Llama-2-7B),
+``llama-13b`` (Llama-2-13B) and ``llama3-8b`` (Llama-3-8B, grouped-query attention) for
+planning and simulation (not meant to be instantiated on CPU).
 This module imports no jax, so the pure-Python side (simulator, cost model) stays jax-free.
 """
 
@@ -146,6 +147,22 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=128,
         ffn_dim=13824,
         max_seq_len=4096,
+        dtype="bfloat16",
+    ),
+    # Llama-3.2-1B: 16 layers, d=2048, 32 heads over 8 KV heads of 64, MLP 8192, tied
+    # embeddings, llama3 RoPE scaling (1.24B params); the bf16 one-chip serving presets use it.
+    "llama3.2-1b": ModelConfig(
+        vocab_size=128256,
+        d_model=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=64,
+        ffn_dim=8192,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(32.0, 1.0, 4.0, 8192),
+        tie_embeddings=True,
+        max_seq_len=131072,
         dtype="bfloat16",
     ),
     # Llama-3-8B: grouped-query attention with 8 KV heads, vocab 128256.
