@@ -12,7 +12,16 @@
 loop, shared with the simulator) plus a tokenizer, a detokenizer and text: `Engine.step` runs one
 core step, then turns each request's new ids into text incrementally (one decode step per token,
 `serve_jax.tokenizer.Tokenizer.decoder`), applies stop strings, and returns what is new. A
-request stops at any of the tokenizer's EOS ids (unless ``ignore_eos``); the EOS is not text.
+request stops at any of the tokenizer's EOS ids (unless ``ignore_eos``) or its
+``stop_token_ids``; that token is not text. Stop strings and stop ids count only from
+``min_tokens`` output tokens on (the sampler bans the stop ids before that).
+
+A request with ``n > 1`` samples is fanned out as vLLM V1 does: sample i is its own scheduler
+request ``f"{i}_{id}"`` with seed ``seed + i``. Sample 0 is queued first; the others join once
+its prompt is computed, so they find the prompt's full pages in the prefix cache
+(`serve_jax.kv_blocks`) and share them (reference counts) instead of computing a copy; only the
+prompt's last, partial page is computed per sample. Their outputs carry the request's id and
+the sample's ``index``.
 The model is a preset with random or own-format weights, or a Hugging Face checkpoint
 (``model.path``: `serve_jax.hf_config`, `serve_jax.hf_checkpoint`). The
 executor is the JAX one (`serve_jax.executor.JaxExecutor`, built from the config) unless one is
@@ -35,10 +44,11 @@ from serve_jax.core import EngineCore, StepOutput
 from serve_jax.executor import JaxExecutor
 from serve_jax.hf_checkpoint import load_hf_model
 from serve_jax.hf_config import hf_model_config, resolve_model_dir
+from serve_jax.interface import TokenLogprobs
 from serve_jax.model import init_model, load_safetensors
 from serve_jax.model_config import ModelConfig, get_model_config
 from serve_jax.preemption import get_policy
-from serve_jax.sampling import SamplingParams
+from serve_jax.sampling import SamplingParams, SequenceSampling
 from serve_jax.scheduler import (
     CostHints,
     Executor,
@@ -94,6 +104,14 @@ class RequestOutput:
     finish_reason: str | None
     """``stop``, ``length`` or ``abort`` once finished."""
     metrics: RequestMetrics
+    index: int = 0
+    """Which of the request's ``n`` samples this is."""
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    """Per output token (when the request asked for logprobs)."""
+    new_logprobs: tuple[TokenLogprobs, ...] | None = None
+    """Those of ``new_token_ids``."""
+    request_finished: bool = True
+    """Whether every sample of the request has finished (this output is the request's last)."""
 
 
 class MeasuredCostHints(CostHints):
@@ -153,6 +171,10 @@ class _Tracked:
     request: Request
     params: SamplingParams
     decoder: IncrementalDecoder
+    parent: str
+    """The id the caller knows (the request's; samples of ``n > 1`` have their own ids)."""
+    index: int = 0
+    logprobs: list[TokenLogprobs] | None = None
     text: str = ""
     """Decoded output text (cut at a stop string once one is found)."""
     decoded: int = 0
@@ -271,6 +293,10 @@ class Engine:
         self.executor = executor
         self.clock = clock
         self._tracked: dict[str, _Tracked] = {}
+        self._samples: dict[str, list[str]] = {}
+        """Scheduler ids of each caller-visible request's samples (unfinished ones)."""
+        self._held: dict[str, list[Request]] = {}
+        """Samples 1..n-1 waiting for sample 0's prompt to be computed (then cached)."""
         self._ids = itertools.count()
         self.num_generated_tokens = 0
         if built and self.config.executor.warmup:
@@ -301,50 +327,68 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Queues a request; returns its id.
+        """Queues a request (``params.n`` samples of it); returns its id.
 
         Raises:
-          ValueError: an empty or too long prompt, or token ids outside the vocabulary.
+          ValueError: an empty or too long prompt, token ids outside the vocabulary, or
+            ``stop_token_ids`` outside it.
         """
         params = params or SamplingParams()
+        vocab = self.model_config.vocab_size
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids out of range [0, vocab): {bad[:5]}")
         if not ids:
             raise ValueError("prompt is empty")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad[:5]}")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"context length {self.max_model_len}"
             )
         rid = request_id or f"req-{next(self._ids)}"
-        if rid in self._tracked:
+        if rid in self._samples:
             raise ValueError(f"duplicate request id {rid!r}")
-        stop_ids = frozenset() if params.ignore_eos else self.tokenizer.eos_ids
-        req = Request(
-            rid,
-            ids,
-            params.max_tokens,
-            self.clock() if arrival_time is None else arrival_time,
-            stop_token_ids=stop_ids,
-            sampling=params,
-        )
-        self.scheduler.add_request(req)
-        self._tracked[rid] = _Tracked(req, params, self.tokenizer.decoder(ids))
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.tokenizer.eos_ids
+        arrival = self.clock() if arrival_time is None else arrival_time
+        samples = []
+        for i in range(params.n):
+            sid = rid if params.n == 1 else f"{i}_{rid}"
+            seed = (params.seed + i) % 2**31
+            p = params if params.n == 1 else dataclasses.replace(params, n=1, seed=seed)
+            req = Request(sid, list(ids), p.max_tokens, arrival, stop_token_ids=stop_ids)
+            req.sampling = SequenceSampling(p, req.prompt_token_ids, req.output_token_ids, stop_ids)
+            samples.append(req)
+        self.scheduler.add_request(samples[0])
+        if len(samples) > 1:
+            self._held[rid] = samples[1:]
+        self._samples[rid] = [r.request_id for r in samples]
+        for i, req in enumerate(samples):
+            logprobs = [] if params.logprobs is not None else None
+            decoder = self.tokenizer.decoder(ids)
+            self._tracked[req.request_id] = _Tracked(
+                req, req.sampling.params, decoder, rid, i, logprobs
+            )
         return rid
 
     def abort(self, request_id: str) -> bool:
-        """Aborts a request, freeing its pages; False if it is unknown or already finished."""
-        if request_id not in self.scheduler.requests:
-            self._tracked.pop(request_id, None)
-            return False
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED, self.clock())
-        self._tracked.pop(request_id, None)
-        return True
+        """Aborts a request (all its samples), freeing its pages; False if unknown or finished."""
+        self._held.pop(request_id, None)
+        found = False
+        for sid in self._samples.pop(request_id, ()):
+            self._tracked.pop(sid, None)
+            if sid in self.scheduler.requests:
+                self.scheduler.finish_request(sid, RequestStatus.FINISHED_ABORTED, self.clock())
+                found = True
+        return found
 
     def has_unfinished(self) -> bool:
         """Whether any request is still queued or running."""
@@ -360,14 +404,31 @@ class Engine:
         out = self.core.step()
         if out is None:
             return []
+        logprobs = out.executor_output.logprobs
         outputs = []
         for ev in out.events:
             tracked = self._tracked.get(ev.request_id)
             if tracked is None:
                 continue
+            if tracked.logprobs is not None:
+                tracked.logprobs.append(logprobs[ev.request_id])
             self.num_generated_tokens += len(ev.new_token_ids)
             outputs.append(self._output(tracked))
+        self._release_held()
         return outputs
+
+    def _release_held(self) -> None:
+        """Queues the held samples of requests whose sample 0 has its prompt computed (or
+        has finished): its full prompt pages are in the prefix cache now."""
+        for rid in [r for r in self._held if r in self._samples]:
+            first = self._tracked.get(f"0_{rid}")  # None once it has finished
+            if first is not None and first.request.num_computed_tokens < len(
+                first.request.prompt_token_ids
+            ):
+                continue
+            for held in self._held.pop(rid):
+                if held.request_id in self._tracked:
+                    self.scheduler.add_request(held)
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         req = tracked.request
@@ -386,7 +447,7 @@ class Engine:
             tracked.text += tracked.decoder.flush()
         stops = tracked.params.stop
         longest = max(map(len, stops)) if stops else 0
-        if stops:
+        if stops and len(ids) >= tracked.params.min_tokens:
             # Only text that is new (plus what a stop string straddling it needs) is searched.
             start = max(0, old_len - longest + 1)
             hits = [h for h in (tracked.text.find(s, start) for s in stops) if h >= 0]
@@ -404,11 +465,21 @@ class Engine:
         new_text = tracked.text[tracked.sent_text : stable]
         tracked.sent_text = stable
         new_ids = tuple(ids[tracked.sent_tokens :])
+        lps = tracked.logprobs
+        new_lps = tuple(lps[tracked.sent_tokens :]) if lps is not None else None
         tracked.sent_tokens = len(ids)
+        last = True
         if finished:
             self._tracked.pop(req.request_id, None)
+            samples = self._samples.get(tracked.parent, [])
+            if req.request_id in samples:
+                samples.remove(req.request_id)
+            last = not samples
+            if last:
+                self._samples.pop(tracked.parent, None)
+                self._held.pop(tracked.parent, None)
         return RequestOutput(
-            request_id=req.request_id,
+            request_id=tracked.parent,
             prompt_token_ids=tuple(req.prompt_token_ids),
             token_ids=tuple(ids),
             text=tracked.text[:stable],
@@ -417,19 +488,24 @@ class Engine:
             finished=finished,
             finish_reason=_FINISH_REASON.get(status) if finished else None,
             metrics=request_metrics(req),
+            index=tracked.index,
+            logprobs=tuple(lps) if lps is not None else None,
+            new_logprobs=new_lps,
+            request_finished=finished and last,
         )
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
     ) -> list[RequestOutput]:
-        """Runs ``prompts`` to completion (batched); returns final outputs in prompt order."""
+        """Runs ``prompts`` to completion (batched); returns final outputs in prompt order
+        (with ``n > 1``, each prompt's samples in index order)."""
         ids = [self.add_request(p, params) for p in prompts]
-        final: dict[str, RequestOutput] = {}
+        final: dict[tuple[str, int], RequestOutput] = {}
         while self.has_work():
             for out in self.step():
                 if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+                    final[out.request_id, out.index] = out
+        return [final[key] for key in sorted(final, key=lambda k: (ids.index(k[0]), k[1]))]
 
     def stats(self) -> dict[str, float]:
         """Queue lengths, free pages, preemptions, generated tokens (for /metrics)."""

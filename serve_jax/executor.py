@@ -29,14 +29,28 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import tapas_jax
 from serve_jax.attention import context_attention
+from serve_jax.interface import TokenLogprobs
 from serve_jax.kv_cache import PagedKVView, make_kv_pools
 from serve_jax.model import Decoder
 from serve_jax.offload import HostKVTier
-from serve_jax.sampling import SamplingParams, sample_tokens
+from serve_jax.sampling import (
+    SamplingParams,
+    SequenceSampling,
+    full_sampler_arrays,
+    sample_full,
+    sample_tokens,
+)
 from serve_jax.scheduler import ExecutorOutput, ScheduledChunk, SchedulerOutput
 from tapas_jax.hardware import profile_for_device
 
 __all__ = ["JaxExecutor", "pad_pow2"]
+
+
+def _params(sampling) -> SamplingParams | None:
+    """The `SamplingParams` of a chunk's opaque ``sampling`` (None: greedy defaults)."""
+    if isinstance(sampling, SequenceSampling):
+        return sampling.params
+    return sampling if isinstance(sampling, SamplingParams) else None
 
 
 def plan_decoder(
@@ -99,19 +113,24 @@ def pad_pow2(n: int, minimum: int = 1) -> int:
 
 
 def _paged_step(
-    graphdef, params, k_pool, v_pool, tokens, positions, valid, tables, last, *sampling
+    graphdef, params, k_pool, v_pool, tokens, positions, valid, tables, last, *sampling, extras=None
 ):
     """One forward over a padded batch: write K/V pages, attend, sample a token per row.
 
     ``sampling`` is ``(temperature, top_p, seeds, counters)``; returns
-    ``(next_tokens, k_pool, v_pool)``.
+    ``(next_tokens, k_pool, v_pool)``. With ``extras`` (the arrays of
+    `serve_jax.sampling.sample_full`: penalties, top-k, min-p, banned ids) the step samples
+    with vLLM's full sampler and returns ``(next_tokens, k_pool, v_pool, logprobs)``.
     """
     model = nnx.merge(graphdef, params)
     view = PagedKVView(k_pool, v_pool, tables, positions, valid)
     h = model.hidden(tokens, positions, view)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-    next_tokens = sample_tokens(model.logits(h_last), *sampling)
-    return next_tokens, view.k_pool, view.v_pool
+    logits = model.logits(h_last)
+    if extras is None:
+        return sample_tokens(logits, *sampling), view.k_pool, view.v_pool
+    next_tokens, logprobs = sample_full(logits, *sampling, extras)
+    return next_tokens, view.k_pool, view.v_pool, logprobs
 
 
 @functools.cache
@@ -119,15 +138,16 @@ def flat_paged_step(graphdef, treedef):
     """The jitted paged step, taking the weights as a flat list (``jax.tree.leaves(params)``).
 
     ``step(leaves, k_pool, v_pool, tokens, positions, valid, tables, last, temperature, top_p,
-    seeds, counters) -> (next_tokens, k_pool, v_pool)``; the pools are donated. ``graphdef`` is
-    bound here and hashed once: a list of arrays is the cheapest argument for jit's dispatch
-    path, where an `nnx.State` would be flattened and a `GraphDef` static argument hashed on
-    every call (about 5 ms per step for the `small` preset on a CPU). Cached per architecture,
-    so engines serving the same one share compilations.
+    seeds, counters, extras=None) -> (next_tokens, k_pool, v_pool[, logprobs])``; the pools are
+    donated. ``graphdef`` is bound here and hashed once: a list of arrays is the cheapest
+    argument for jit's dispatch path, where an `nnx.State` would be flattened and a `GraphDef`
+    static argument hashed on every call (about 5 ms per step for the `small` preset on a CPU).
+    Cached per architecture, so engines serving the same one share compilations.
     """
 
-    def step(leaves, k_pool, v_pool, *arrays):
-        return _paged_step(graphdef, jax.tree.unflatten(treedef, leaves), k_pool, v_pool, *arrays)
+    def step(leaves, k_pool, v_pool, *arrays, extras=None):
+        params = jax.tree.unflatten(treedef, leaves)
+        return _paged_step(graphdef, params, k_pool, v_pool, *arrays, extras=extras)
 
     return jax.jit(step, donate_argnums=(1, 2))
 
@@ -229,16 +249,33 @@ class JaxExecutor:
             table = tables[c.request_id]
             table_arr[i, : len(table)] = table
             last[i] = n - 1
-            sp = c.sampling if isinstance(c.sampling, SamplingParams) else None
+            sp = _params(c.sampling)
             if sp is not None:
                 temp[i], top_p[i], seed[i] = sp.temperature, sp.top_p, sp.seed
             ctr[i] = c.num_output_tokens
         return tokens, positions, valid, table_arr, last, temp, top_p, seed, ctr
 
-    def _dispatch(self, chunks, tables) -> jax.Array:
-        args = jax.device_put(list(self._arrays(chunks, tables)), self._replicated)
-        toks, self.k_pool, self.v_pool = self._step(self._leaves, self.k_pool, self.v_pool, *args)
-        return toks
+    def _dispatch(self, chunks, tables):
+        """Runs one padded batch; returns its sampled tokens and logprobs (None unless the
+        batch took the full sampler) on device."""
+        arrays = list(self._arrays(chunks, tables))
+        rows = [(c.sampling if isinstance(c.sampling, SequenceSampling) else None) for c in chunks]
+        if not any(r is not None and r.params.needs_full_sampler for r in rows):
+            args = jax.device_put(arrays, self._replicated)
+            toks, self.k_pool, self.v_pool = self._step(
+                self._leaves, self.k_pool, self.v_pool, *args
+            )
+            return toks, None
+        extras = full_sampler_arrays(
+            [(r, c.num_output_tokens) for r, c in zip(rows, chunks, strict=True)],
+            arrays[0].shape[0],
+            self.cfg.vocab_size,
+        )
+        args, extras = jax.device_put((arrays, extras), self._replicated)
+        toks, self.k_pool, self.v_pool, logprobs = self._step(
+            self._leaves, self.k_pool, self.v_pool, *args, extras=extras
+        )
+        return toks, logprobs
 
     def warmup(self, max_num_seqs: int, max_chunk: int) -> int:
         """Compiles the step for the shapes serving will use; returns how many were run.
@@ -296,14 +333,29 @@ class JaxExecutor:
                 raise RuntimeError("offload requested but the executor has no host tier")
             self.host.offload(self.k_pool, self.v_pool, so.offloads)
         sampled: dict[str, int] = {}
-        for group, toks in pending:
+        logprobs: dict[str, TokenLogprobs] = {}
+        for group, (toks, lps) in pending:
             toks = np.asarray(toks)
+            wanted = [
+                (i, c, p.logprobs)
+                for i, c in enumerate(group)
+                if c.sample and (p := _params(c.sampling)) is not None and p.logprobs is not None
+            ]
+            if wanted:
+                token_lp, top_ids, top_lp = (np.asarray(x) for x in lps)
+            for i, c, k in wanted:
+                logprobs[c.request_id] = TokenLogprobs(
+                    float(token_lp[i]),
+                    tuple(int(t) for t in top_ids[i, :k]),
+                    tuple(float(x) for x in top_lp[i, :k]),
+                )
             for i, c in enumerate(group):
                 if c.sample:
                     sampled[c.request_id] = int(toks[i])
         self.num_steps += 1
         return ExecutorOutput(
             sampled=sampled,
+            logprobs=logprobs,
             completed_offloads=completed,
             completed_restores=list(so.restores),
             step_seconds=time.perf_counter() - t0,

@@ -28,6 +28,7 @@ __all__ = [
     "ScheduledChunk",
     "SchedulerOutput",
     "ExecutorOutput",
+    "TokenLogprobs",
     "Executor",
     "RequestEvent",
 ]
@@ -189,8 +190,10 @@ class VictimPolicy:
     def on_admitted(self, req: Request, now: float) -> None:
         """A request joined the running set (first time or after a preemption)."""
 
-    def on_tokens(self, req: Request, now: float) -> None:
-        """A request got output tokens (after each update_from_output)."""
+    def on_tokens(self, req: Request, now: float, num_new: int = 1) -> None:
+        """A request got ``num_new`` output tokens (one after each update_from_output; several
+        after a run of quiet decode steps the simulator applies at once, `serve_jax.sim_runs`,
+        during which nothing finished)."""
 
     def on_finished(self, req: Request, now: float) -> None:
         """A request finished or was aborted."""
@@ -276,6 +279,17 @@ class SchedulerOutput:
         )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Logprobs of one sampled token (from the model's raw logits)."""
+
+    logprob: float
+    """Of the sampled token."""
+    top_ids: tuple[int, ...]
+    """The most likely token ids, most likely first (as many as the request asked for)."""
+    top_logprobs: tuple[float, ...]
+
+
 @dataclasses.dataclass
 class ExecutorOutput:
     """What an executor reports back for one `SchedulerOutput`."""
@@ -286,6 +300,8 @@ class ExecutorOutput:
     completed_restores: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     step_seconds: float | None = None
     """Measured (or simulated) duration of the step, if known."""
+    logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)
+    """Logprobs of the sampled token, for the chunks whose request asked for them."""
 
 
 class Executor(Protocol):
