@@ -117,6 +117,15 @@ class ServerSection:
     """Most unfinished requests; beyond it requests get 503 with Retry-After."""
     retry_after_s: int = 1
     """Retry-After seconds on 503."""
+    max_body_bytes: int = 32 * 1024 * 1024
+    """Largest request body; a larger one gets 413 before it is read (Content-Length) or as
+    soon as the bytes read pass it (chunked)."""
+    max_stop_strings: int = 64
+    """Most entries in ``stop`` and in ``stop_token_ids`` (each); more is a 400."""
+    max_stop_string_chars: int = 1024
+    """Longest ``stop`` string; longer is a 400."""
+    max_n: int = 64
+    """Largest ``n`` (samples per request); more is a 400."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,16 +1,22 @@
-"""OpenAI-style HTTP server (FastAPI + uvicorn) over the `Engine`.
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over the `Engine`, as vLLM's server.
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` sends
-server-sent events, one per token, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``
-and ``GET /metrics`` (Prometheus text under vLLM's metric names: `serve_jax.prom_metrics`).
+server-sent events, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` and
+``GET /metrics`` (Prometheus text under vLLM's metric names: `serve_jax.prom_metrics`). Request
+and response shapes, the fields accepted and ignored, and the error object are in
+`serve_jax.openai_protocol`.
+
+Every error, from a route, from body parsing, or from an unknown path or method, is the OpenAI
+error object with the offending field in ``param``. A body over ``server.max_body_bytes`` is
+answered 413 before it is read (`BodyLimit`: from Content-Length, or while a chunked body is
+read); only then is it parsed (UTF-8, JSON, the strict request model).
 
 Threading: the engine is single-threaded and runs in one background thread (`EngineLoop`).
 HTTP handlers never touch it directly: they submit commands (add, abort) that the loop thread
 runs between steps, and receive outputs through per-request asyncio queues. A request is either
-rejected before it is accepted (HTTP 400/404/503 with a JSON error naming the field) or, once
-accepted, always ends with a finish reason or an error event: an exception in a step fails the
-requests it touched instead of losing them. A client that disconnects has its request aborted,
-which frees its pages.
+rejected before it is accepted (HTTP 400/404/413/503) or, once accepted, always ends with a
+finish reason or an error event: an exception in a step fails the requests it touched instead of
+losing them. A client that disconnects has its request aborted, which frees its pages.
 """
 
 from __future__ import annotations
@@ -23,20 +29,28 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import Any, Literal
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from serve_jax.config import EngineConfig
 from serve_jax.engine import Engine, RequestOutput
+from serve_jax.openai_protocol import (
+    ChatRequest,
+    CompletionRequest,
+    RequestError,
+    Responder,
+    error_body,
+    parse_body,
+    sampling_params,
+)
 from serve_jax.prom_metrics import CONTENT_TYPE_LATEST, ServeMetrics
 from serve_jax.sampling import SamplingParams
 
-__all__ = ["EngineLoop", "build_app", "run_server"]
+__all__ = ["BodyLimit", "EngineLoop", "build_app", "run_server"]
 
 log = logging.getLogger("serve_jax.server")
 
@@ -146,87 +160,98 @@ class EngineLoop:
                 continue
             for out in outputs:
                 self._emit(out.request_id, out)
-                if out.finished:
+                if out.request_finished:
                     self._streams.pop(out.request_id, None)
             self.metrics.observe_outputs(outputs)
 
 
-# ---- request bodies ---------------------------------------------------------------------
+class BodyLimit:
+    """ASGI middleware: 413 for a body over ``max_bytes``, decided before it is parsed.
+
+    A Content-Length over the limit is refused without reading a byte; otherwise the body is
+    read here, counting bytes (a chunked body has no Content-Length), and refused as soon as it
+    passes the limit. The app then gets the body as one message.
+    """
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > self.max_bytes
+            except ValueError:
+                return await _send_json(send, 400, error_body(400, "bad Content-Length"))
+            if too_big:
+                return await self._refuse(send)
+        chunks, total, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return None
+            body = message.get("body", b"")
+            total += len(body)
+            if total > self.max_bytes:
+                return await self._refuse(send)
+            chunks.append(body)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # later messages: the disconnect
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+    async def _refuse(self, send):
+        message = f"request body is larger than the server's limit of {self.max_bytes} bytes"
+        await _send_json(send, 413, error_body(413, message), close=True)
 
 
-class _Base(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stream: bool = False
-    stream_options: dict[str, bool] | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, lt=2**31)
-    n: int = Field(default=1, ge=1, le=1)
-    ignore_eos: bool = False
-    user: str | None = None
+async def _send_json(send, status: int, body: dict, close: bool = False) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
 
 
-class CompletionRequest(_Base):
-    prompt: str | list[int]
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatRequest(_Base):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-
-
-def _error(
-    status: int,
-    message: str,
-    param: str | None,
-    kind: str = "invalid_request_error",
-    headers: dict | None = None,
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _usage(out: RequestOutput) -> dict:
-    return {
-        "prompt_tokens": len(out.prompt_token_ids),
-        "completion_tokens": len(out.token_ids),
-        "total_tokens": len(out.prompt_token_ids) + len(out.token_ids),
-        "num_preemptions": out.metrics.num_preemptions,
-    }
-
-
-# ---- app ----------------------------------------------------------------------------------
+def _error(status: int, message: str, param=None, kind=None, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, kind), status, headers=headers)
 
 
 def build_app(loop: EngineLoop, config: EngineConfig) -> FastAPI:
-    """The FastAPI app serving ``loop``'s engine."""
+    """The FastAPI app serving ``loop``'s engine (wrapped in `BodyLimit`)."""
     app = FastAPI(title="serve_jax", version="0.1.0")
+    app.add_middleware(BodyLimit, max_bytes=config.server.max_body_bytes)
     model_name = config.model.name
     engine = loop.engine
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        if first.get("type") == "json_invalid":
-            return _error(400, "request body is not valid JSON", None)
-        if first.get("type") == "extra_forbidden":
-            return _error(400, f"unknown field {param!r}", param)
-        msg = first.get("msg", "invalid request")
-        return _error(400, f"{param or 'body'}: {msg}", param)
+    @app.exception_handler(RequestError)
+    async def _refused(request: Request, exc: RequestError):
+        return _error(exc.status, exc.message, exc.param, exc.kind)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        if exc.status_code == 404:
+            return _error(404, f"no route {request.url.path}", None, "not_found_error")
+        if exc.status_code == 405:
+            allowed = exc.headers.get("Allow", "") if exc.headers else ""
+            message = f"method {request.method} not allowed on {request.url.path}"
+            return _error(405, message, None, headers={"Allow": allowed} if allowed else None)
+        return _error(exc.status_code, str(exc.detail), None)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        log.exception("unhandled error")
+        return _error(500, f"internal error: {type(exc).__name__}", None)
 
     @app.get("/health")
     async def health():
@@ -236,146 +261,100 @@ def build_app(loop: EngineLoop, config: EngineConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "serve_jax",
-                    "max_model_len": engine.max_model_len,
-                }
-            ],
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "serve_jax",
+            "max_model_len": engine.max_model_len,
         }
+        return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
     async def metrics():
         return Response(loop.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def _submit(body: _Base, prompt, prompt_field: str, chat: bool, request: Request):
+    async def submit(body, prompt, prompt_field: str, chat: bool, request: Request):
         if body.model is not None and body.model != model_name:
-            return _error(
-                404,
-                f"model {body.model!r} does not exist; serving {model_name!r}",
-                "model",
-                "not_found_error",
-            )
-        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or 16
-        try:
-            params = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=body.temperature,
-                top_p=body.top_p,
-                stop=tuple([body.stop] if isinstance(body.stop, str) else body.stop or ()),
-                seed=body.seed or 0,
-                ignore_eos=body.ignore_eos,
-            )
-        except ValueError as e:
-            field = str(e).split(" ", 1)[0]
-            return _error(400, str(e), field)
+            message = f"model {body.model!r} does not exist; serving {model_name!r}"
+            raise RequestError(404, message, "model")
+        params = sampling_params(body, config.server)
         if loop.num_pending >= config.server.max_queue:
-            return _error(
-                503,
-                "server is at capacity; retry later",
-                None,
-                "server_busy",
-                headers={"Retry-After": str(config.server.retry_after_s)},
-            )
+            retry = {"Retry-After": str(config.server.retry_after_s)}
+            return _error(503, "server is at capacity; retry later", None, "server_busy", retry)
         try:
             rid, queue = await loop.add(prompt, params)
         except ValueError as e:
-            text = str(e)
-            param = "max_tokens" if "max_tokens" in text and "prompt" not in text else prompt_field
-            return _error(400, text, param)
-        created = int(time.time())
+            raise RequestError(400, str(e), _engine_param(str(e), prompt_field)) from None
+        responder = Responder(rid, model_name, int(time.time()), chat, engine.tokenizer)
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            gen = _stream(loop, rid, queue, created, chat, include_usage, model_name)
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            gen = _stream(loop, rid, queue, responder, params, usage)
             return StreamingResponse(gen, media_type="text/event-stream")
-        return await _complete(loop, rid, queue, created, chat, model_name, request)
+        return await _complete(loop, rid, queue, responder, params, request)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        prompt = body.prompt
-        if isinstance(prompt, str) and not prompt:
-            return _error(400, "prompt is empty", "prompt")
-        return await _submit(body, prompt, "prompt", False, request)
+    async def completions(request: Request):
+        body = parse_body(await request.body(), CompletionRequest)
+        if isinstance(body.prompt, str) and not body.prompt:
+            raise RequestError(400, "prompt is empty", "prompt")
+        return await submit(body, body.prompt, "prompt", False, request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    async def chat_completions(request: Request):
+        body = parse_body(await request.body(), ChatRequest)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:  # the model's own chat template (serve_jax.tokenizer)
             prompt = engine.tokenizer.chat_ids(messages)
         except ValueError as e:
-            return _error(400, str(e), "messages")
-        return await _submit(body, prompt, "messages", True, request)
+            raise RequestError(400, str(e), "messages") from None
+        return await submit(body, prompt, "messages", True, request)
 
     return app
 
 
-def _chunk(rid, created, model, chat, text, token_ids, finish_reason) -> dict:
-    if chat:
-        delta = {"content": text} if text or finish_reason is None else {}
-        choice = {
-            "index": 0,
-            "delta": delta,
-            "finish_reason": finish_reason,
-            "token_ids": list(token_ids),
-        }
-        obj = "chat.completion.chunk"
-    else:
-        choice = {
-            "index": 0,
-            "text": text,
-            "finish_reason": finish_reason,
-            "logprobs": None,
-            "token_ids": list(token_ids),
-        }
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+_ENGINE_FIELDS = ("max_tokens", "stop_token_ids", "min_tokens")
 
 
-async def _stream(loop: EngineLoop, rid, queue, created, chat, include_usage, model):
+def _engine_param(message: str, prompt_field: str) -> str:
+    """The field an engine refusal is about: a field it names first, else the prompt."""
+    first = message.split(" ", 1)[0]
+    return first if first in _ENGINE_FIELDS else prompt_field
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _stream(loop: EngineLoop, rid, queue, responder: Responder, params, include_usage):
     finished = False
+    final: dict[int, RequestOutput] = {}
     try:
-        if chat:
-            first = _chunk(rid, created, model, True, "", (), None)
-            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            yield f"data: {json.dumps(first)}\n\n"
+        for chunk in responder.first_chunks(params.n):
+            yield _sse(chunk)
         while True:
             item = await queue.get()
             if isinstance(item, Exception):
-                err = {"error": {"message": f"engine error: {item}", "type": "server_error"}}
-                yield f"data: {json.dumps(err)}\n\n"
+                yield _sse(error_body(500, f"engine error: {item}"))
                 finished = True
                 break
             out: RequestOutput = item
-            payload = _chunk(
-                rid,
-                created,
-                model,
-                chat,
-                out.new_text,
-                out.new_token_ids,
-                out.finish_reason if out.finished else None,
-            )
-            if out.finished and include_usage:
-                payload["usage"] = _usage(out)
-            elif out.finished:
-                payload["usage"] = _usage(out)
-            yield f"data: {json.dumps(payload)}\n\n"
+            yield _sse(responder.chunk(out))
             if out.finished:
+                final[out.index] = out
+            if out.request_finished:
                 finished = True
                 break
+        if include_usage:
+            yield _sse(responder.usage_chunk(list(final.values())))
         yield "data: [DONE]\n\n"
     finally:
         if not finished:  # client went away (or the server is shutting down)
             loop.abort(rid)
 
 
-async def _complete(loop: EngineLoop, rid, queue, created, chat, model, request: Request):
-    out: RequestOutput | None = None
+async def _complete(loop: EngineLoop, rid, queue, responder, params, request: Request):
+    final: dict[int, RequestOutput] = {}
     try:
         while True:
             try:
@@ -387,37 +366,14 @@ async def _complete(loop: EngineLoop, rid, queue, created, chat, model, request:
                 continue
             if isinstance(item, Exception):
                 return _error(500, f"engine error: {item}", None, "server_error")
-            out = item
-            if out.finished:
+            if item.finished:
+                final[item.index] = item
+            if item.request_finished:
                 break
     except asyncio.CancelledError:
         loop.abort(rid)
         raise
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": out.text},
-            "finish_reason": out.finish_reason,
-            "token_ids": list(out.token_ids),
-        }
-        obj = "chat.completion"
-    else:
-        choice = {
-            "index": 0,
-            "text": out.text,
-            "finish_reason": out.finish_reason,
-            "logprobs": None,
-            "token_ids": list(out.token_ids),
-        }
-        obj = "text_completion"
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": _usage(out),
-    }
+    return responder.complete(list(final.values()))
 
 
 def run_server(config: EngineConfig, host: str | None = None, port: int | None = None) -> None:

@@ -19,11 +19,13 @@ from serve_jax.engine import Engine
 from serve_jax.kv_cache import dense_greedy_generate
 
 MAX_QUEUE = 3
+BODY_LIMIT = 256 * 1024  # the default is 32 MiB (ServerSection.max_body_bytes)
 
 
 @pytest.fixture(scope="module")
 def server(running_server):
-    cfg = load_engine_config("tiny_cpu", [f"server.max_queue={MAX_QUEUE}"])
+    over = [f"server.max_queue={MAX_QUEUE}", f"server.max_body_bytes={BODY_LIMIT}"]
+    cfg = load_engine_config("tiny_cpu", over)
     engine = Engine(cfg)
     engine.warmup()
     with running_server(engine, cfg) as url:
@@ -123,7 +125,26 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 65}, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "4"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": "0.5"}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "stream": 1}, "stream"),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": [1, True]}, "prompt.1"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 3}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 65}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": "a" * 1025}, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"bogus": True}}, "stream_options.bogus"),
+    ("/v1/completions", b"[1, 2]", None),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', None),  # not UTF-8
     ("/v1/completions", {"prompt": "x", "seed": -3}, "seed"),
     ("/v1/completions", {"prompt": "x" * 500}, "prompt"),
     ("/v1/completions", {"prompt": "", "max_tokens": 3}, "prompt"),
@@ -134,7 +155,35 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages.0.content.0.type",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        "top_logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": 1},
+        "logprobs",
+    ),
 ]
+
+
+def assert_openai_error(r, status, param=None, kind="invalid_request_error"):
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["type"] == kind and err["code"] == status and err["message"], err
+    assert err["param"] == param, err
+
+
+def assert_healthy(url, engine, cfg):
+    assert httpx.get(f"{url}/health", timeout=10).json() == {"status": "ok"}
+    assert_all_pages_free(engine, cfg)
 
 
 @pytest.mark.parametrize("path,body,param", BAD_REQUESTS)
@@ -142,18 +191,44 @@ def test_bad_requests_get_400_naming_the_field(server, path, body, param):
     url, engine, cfg = server
     kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
     r = httpx.post(f"{url}{path}", headers={"content-type": "application/json"}, **kwargs)
-    assert r.status_code == 400, (body, r.status_code, r.text)
-    err = r.json()["error"]
-    assert err["type"] == "invalid_request_error"
-    if param is not None:
-        assert err["param"] == param, err
-        assert err["message"]
+    assert_openai_error(r, 400, param)
+    assert_healthy(url, engine, cfg)
+
+
+def test_unknown_route_and_method_are_openai_errors(server):
+    url, engine, cfg = server
+    assert_openai_error(httpx.get(f"{url}/v1/nothing"), 404, kind="not_found_error")
+    r = httpx.get(f"{url}/v1/completions")
+    assert_openai_error(r, 405)
+    assert "POST" in r.headers["allow"]
+    assert_healthy(url, engine, cfg)
+
+
+def test_body_over_the_limit_is_413_before_it_is_read(server):
+    url, engine, cfg = server
+    limit = cfg.server.max_body_bytes
+    big = b'{"prompt": "' + b"x" * limit + b'"}'
+    r = httpx.post(f"{url}/v1/completions", content=big, timeout=60)
+    assert_openai_error(r, 413)
+
+    def chunks():  # chunked transfer: no Content-Length, counted while read
+        yield b'{"prompt": "'
+        for _ in range(limit // 4096 + 1):
+            yield b"x" * 4096
+        yield b'"}'
+
+    r = httpx.post(f"{url}/v1/completions", content=chunks(), timeout=60)
+    assert_openai_error(r, 413)
+    # Just under the limit is parsed (and refused for its own reason: too long a prompt).
+    ok = b'{"prompt": "' + b"x" * (limit - 20) + b'"}'
+    assert_openai_error(httpx.post(f"{url}/v1/completions", content=ok, timeout=60), 400, "prompt")
+    assert_healthy(url, engine, cfg)
 
 
 def test_unknown_model_is_404(server):
     url, *_ = server
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "model": "gpt-9"})
-    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert_openai_error(r, 404, "model", "not_found_error")
 
 
 def test_disconnect_mid_stream_aborts_and_frees_pages(server):
