@@ -1,9 +1,10 @@
 """``python -m serve_jax crosscheck``: the simulator against the real engine, policy by policy.
 
-Example (the CPU check of BENCHMARKS.md)::
+Example (the CPU check of BENCHMARKS.md: 174 requests, long enough for ``predictive``'s
+predictor to learn lengths of this scale, so that it preempts too)::
 
     python -m serve_jax crosscheck --config tiny_cpu cache.num_device_blocks=16 \\
-        cache.num_host_blocks=0 --workload reasoning --duration-s 800 --rate-scale 400 \\
+        cache.num_host_blocks=0 --workload reasoning --duration-s 4000 --rate-scale 400 \\
         --token-scale 0.005 --json engine_tiny.json
 
 The engine is an `serve_jax.config.EngineConfig` (``--config <preset or .yaml>``, default

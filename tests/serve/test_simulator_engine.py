@@ -14,6 +14,8 @@ from serve_jax.costmodel import RooflineCostModel
 from serve_jax.crosscheck import replay_on_engine, simulate_replay
 from serve_jax.engine import Engine
 from serve_jax.model_config import get_model_config
+from serve_jax.predictor import RemainingLengthPredictor
+from serve_jax.preemption import PredictivePolicy
 from serve_jax.replay import replay_trace
 from serve_jax.sampling import SamplingParams
 from serve_jax.sim_executor import TOKEN, SimulatedExecutor
@@ -32,19 +34,27 @@ def small_trace(n: int = 8, seed: int = 0) -> Workload:
     )
 
 
-@pytest.mark.parametrize("policy", ["fcfs_last", "predictive"])
-def test_same_preemption_sequence_as_the_engine(policy):
+def scaled_predictive() -> PredictivePolicy:
+    """predictive with its predictor's prior at this trace's scale (outputs of 10-30 tokens, not
+    the default prior's 256): it admits what it predicts will fit, is wrong for some requests,
+    and preempts; with the default prior its gate runs one request at a time and never does."""
+    return PredictivePolicy(RemainingLengthPredictor(prior_median=8.0))
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: "fcfs_last", scaled_predictive], ids=["fcfs_last", "predictive"]
+)
+def test_same_preemption_sequence_as_the_engine(make):
     # 16 blocks of 4 tokens for 8 requests of up to ~50 tokens: preemptions are certain.
     cfg = load_engine_config("tiny_cpu", ["cache.num_device_blocks=16", "cache.num_host_blocks=0"])
     wl = small_trace()
-    real = replay_on_engine(cfg, wl, policy)
+    real = replay_on_engine(cfg, wl, make())
     assert all(r.num_output_tokens == s.output_len for r, s in zip(real.requests, wl.requests))
-    sim = simulate_replay(wl, policy, simulator_config_for_engine(cfg), real)
+    sim = simulate_replay(wl, make(), simulator_config_for_engine(cfg), real)
     assert sim.completed == len(wl.requests)
     assert sim.steps == len(real.step_seconds)
     sim_events = sorted((t, rid) for _, t, rid, _ in sim.preemption_log)
-    if policy == "fcfs_last":
-        assert len(real.preemptions) > 0
+    assert len(real.preemptions) > 0  # both policies preempt: the sequences are worth comparing
     assert sim_events == real.preemptions
 
 
