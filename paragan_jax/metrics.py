@@ -43,7 +43,9 @@ __all__ = [
     "kernel_inception_distance",
     "load_or_train_classifier",
     "mode_statistics",
+    "render_samples",
     "save_sample_png",
+    "write_png",
 ]
 
 
@@ -242,34 +244,29 @@ def evaluate_samples(
     }
 
 
-def save_sample_png(
-    samples: np.ndarray,
-    path: str | os.PathLike,
-    rows: int = 8,
-    real: np.ndarray | None = None,
-    title: str = "",
-) -> epath.Path:
-    """Writes a square grid of images, or a scatter plot of 2-D points (with `real` behind)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path = epath.Path(path)  # local or gs://
-    path.parent.mkdir(parents=True, exist_ok=True)
-    png = io.BytesIO()
+def render_samples(
+    samples: np.ndarray, rows: int = 8, real: np.ndarray | None = None, title: str = ""
+) -> np.ndarray:
+    """The picture of `samples` as an RGB ``uint8`` array ``(H, W, 3)``: a square grid of images
+    (``rows`` x ``rows``, grey gaps, small images upscaled), or a scatter plot of 2-D points with
+    `real` behind; what `save_sample_png` writes and what TensorBoard's image tab shows."""
     if samples.ndim == 2:
-        fig, ax = plt.subplots(figsize=(5, 5))
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(5, 5), dpi=100)
         if real is not None:
             ax.scatter(real[:, 0], real[:, 1], s=2, c="tab:gray", alpha=0.3, label="real")
         ax.scatter(samples[:, 0], samples[:, 1], s=2, c="tab:red", alpha=0.6, label="generated")
         ax.set_aspect("equal")
         ax.legend(loc="upper right", markerscale=4)
         ax.set_title(title)
-        fig.savefig(png, format="png", dpi=100, bbox_inches="tight")
+        fig.canvas.draw()
+        rgb = np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
         plt.close(fig)
-        path.write_bytes(png.getvalue())
-        return path
+        return rgb
     n = rows * rows
     imgs = np.asarray(samples[:n])
     if len(imgs) < n:
@@ -282,6 +279,30 @@ def save_sample_png(
     grid = np.kron(grid, np.ones((scale, scale, 1), grid.dtype))
     if c == 1:
         grid = np.repeat(grid, 3, axis=-1)
-    plt.imsave(png, grid, format="png")
+    return np.round(grid * 255).astype(np.uint8)
+
+
+def save_sample_png(
+    samples: np.ndarray,
+    path: str | os.PathLike,
+    rows: int = 8,
+    real: np.ndarray | None = None,
+    title: str = "",
+) -> epath.Path:
+    """Writes `render_samples` of `samples` as a PNG (local or ``gs://``); returns the path."""
+    return write_png(render_samples(samples, rows, real, title), path)
+
+
+def write_png(image: np.ndarray, path: str | os.PathLike) -> epath.Path:
+    """Writes an RGB ``uint8`` array as a PNG at `path` (local or ``gs://``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = epath.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    png = io.BytesIO()
+    plt.imsave(png, image, format="png")
     path.write_bytes(png.getvalue())
     return path

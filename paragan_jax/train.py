@@ -7,6 +7,13 @@ around the loop needs: resume from the newest checkpoint, TensorBoard scalars, a
 periodic and final checkpoints, sample grids and offline metrics. Nothing else in the package
 imports it.
 
+Evaluation during training: every ``eval.every`` steps the (EMA) generator draws
+``eval.num_samples`` samples (the same latents each time) and `paragan_jax.metrics` scores them
+(FD, KID and classifier score; mode coverage on mixtures) into TensorBoard's ``eval/`` scalars;
+every ``eval.sample_every`` steps a sample grid goes to TensorBoard's image tab (``samples``) and to
+``<workdir>/samples_step<N>.png``; the final grid of a run goes to both as well. The time these
+take counts in the run's ``wall_s``.
+
 Multi-host: with several processes joined by `jax.distributed` (a TPU pod slice, or
 ``python -m paragan_jax train --num-processes N`` on one machine) every process runs the same
 Trainer on the global mesh and takes part in every checkpoint save and restore, while only process
@@ -42,7 +49,7 @@ from .checkpoint import CheckpointStore, as_path, tree_sha256
 from .config import TrainConfig, validate_config
 from .data import PrefetchLoader, load_dataset
 from .loop import grouped, run_steps
-from .metrics import evaluate_samples, save_sample_png
+from .metrics import evaluate_samples, load_or_train_classifier, render_samples, write_png
 from .state import check_batch_divides
 from .steps import SyncRunner, sample_images
 from .workdir import PreemptionWatch, WorkdirLock, is_primary, prepare_workdir
@@ -107,6 +114,7 @@ class Trainer:
             check_batch_divides(config, self.mesh)
         self.batch_iterator_factory = batch_iterator_factory
         self.runner = None
+        self._classifier = None  # the metrics' feature classifier, loaded at the first eval
 
     def _make_runner(self):
         shape = self.dataset.images.shape[1:]
@@ -212,6 +220,8 @@ class Trainer:
             bar.update(1)
             if watch.should_stop(step):
                 return True  # the final save below writes this step
+            if workdir is not None and step < total:  # the end of the run does its own
+                self._periodic_eval(step, workdir, writer)
             if store is not None and store.should_save(step):
                 store.save(step, runner.checkpoint_tree(), self._meta(position + cfg.n_disc * done))
             return False
@@ -237,8 +247,11 @@ class Trainer:
             log.warning("SIGTERM: stopped at step %d and saved a checkpoint", watch.stopped_at)
         grid = None
         if workdir is not None:
-            grid = str(workdir / f"samples_step{runner.step}.png")
-            self.sample_grid(grid)
+            step = runner.step
+            if cfg.eval.every and step % cfg.eval.every == 0 and watch.stopped_at is None:
+                self.log_eval(step, writer)
+            grid = str(workdir / f"samples_step{step}.png")
+            self.sample_grid(grid, writer=writer)
             if writer is not None:
                 writer.close()
         runner.close()
@@ -254,6 +267,30 @@ class Trainer:
             "preempted_at": watch.stopped_at,
         }
 
+    def _periodic_eval(self, step: int, workdir, writer: SummaryWriter | None) -> None:
+        ev = self.config.eval
+        if ev.every and step % ev.every == 0:
+            self.log_eval(step, writer)
+        if ev.sample_every and step % ev.sample_every == 0:
+            self.sample_grid(str(workdir / f"samples_step{step}.png"), writer=writer)
+
+    def log_eval(self, step: int, writer: SummaryWriter | None) -> dict[str, float] | None:
+        """Scores ``eval.num_samples`` samples of the current generator and writes the metrics
+        as ``eval/<name>`` scalars at `step`. Every process samples (the generator may be spread
+        over them); process 0 scores and writes, and gets the metrics back (the others None)."""
+        samples = self.samples()
+        if not is_primary():
+            return None
+        if self._classifier is None and not self.dataset.is_mixture:
+            self._classifier = load_or_train_classifier(self.dataset)[0]
+        out = evaluate_samples(samples, self.dataset, classifier=self._classifier)
+        out = {k: float(v) for k, v in out.items() if k != "classifier_accuracy"}
+        if writer is not None:
+            for k, v in out.items():
+                writer.add_scalar(f"eval/{k}", v, step)
+        log.info("eval at step %d: %s", step, ", ".join(f"{k}={v:.4g}" for k, v in out.items()))
+        return out
+
     def samples(self, n: int | None = None, seed: int = 1234) -> np.ndarray:
         """Samples from the trained (EMA) generator; call after `train` or `restore`."""
         if self.runner is None:
@@ -262,24 +299,24 @@ class Trainer:
         n = n or self.config.eval.num_samples
         return sample_images(self.runner.fns, params, stats, jax.random.PRNGKey(seed), n)
 
-    def sample_grid(self, path: str, seed: int = 1234) -> str:
-        """Writes a sample grid (images) or scatter plot (mixtures) PNG; returns its path.
+    def sample_grid(self, path: str, seed: int = 1234, writer: SummaryWriter | None = None) -> str:
+        """Writes a sample grid (images) or scatter plot (mixtures) PNG, and to `writer`'s image
+        tab (tag ``samples``, at the current step) if one is given; returns the PNG's path.
 
         Every process samples (the generator may be spread over them); process 0 writes."""
         rows = self.config.eval.grid_rows
         if self.dataset.is_mixture:
             pts = self.samples(2000, seed)
-            if is_primary():
-                save_sample_png(
-                    pts,
-                    path,
-                    real=self.dataset.images[:2000],
-                    title=f"{self.config.name} step {self.runner.step}",
-                )
+            real = np.asarray(self.dataset.images[:2000])
+            title = f"{self.config.name} step {self.runner.step}"
+            image = render_samples(pts, real=real, title=title) if is_primary() else None
         else:
             grid = self.samples(rows * rows, seed)
-            if is_primary():
-                save_sample_png(grid, path, rows=rows)
+            image = render_samples(grid, rows=rows) if is_primary() else None
+        if image is not None:
+            write_png(image, path)
+            if writer is not None:
+                writer.add_image("samples", image, self.runner.step, dataformats="HWC")
         return path
 
     def restore(self) -> int:

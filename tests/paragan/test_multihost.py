@@ -14,6 +14,7 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 import pytest
 from conftest import RING
+from tb_events import read_events
 
 from paragan_jax import cli
 from paragan_jax.__main__ import main
@@ -145,6 +146,7 @@ def _wait_for_checkpoint(proc: subprocess.Popen, ckpt: Path, timeout: float = 24
 def test_two_processes_sigterm_saves_exits_0_and_the_rerun_resumes(tmp_path):
     work, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
     over = [*RING, "sharding.num_devices=0", "checkpoint.every=10", "checkpoint.keep=5"]
+    over += ["eval.every=5", "eval.sample_every=5"]
     cmd = _train_cmd(work, 10**6, over, "--num-processes", "2")
     proc = subprocess.Popen(
         cmd, env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -160,7 +162,9 @@ def test_two_processes_sigterm_saves_exits_0_and_the_rerun_resumes(tmp_path):
     assert out.count("SIGTERM: stopped at step") == 1  # printed by process 0 only
     stop = int(out.split("SIGTERM: stopped at step ")[1].split()[0])
     assert stop in CheckpointStore(ckpt).steps() and stop % 10  # saved at the stop step itself
-    assert len(list((work / "tb").iterdir())) == 1  # one TensorBoard writer: process 0
+    (events,) = read_events(work / "tb").values()  # one TensorBoard writer: process 0
+    for tag in ("eval/fd", "eval/modes_covered", "samples"):  # periodic eval, both processes
+        assert [step for step, _ in events[tag]][:2] == [5, 10], tag
     rerun = subprocess.run(
         _train_cmd(work, stop + 3, over, "--num-processes", "2"),
         env=_env(1),

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import RING
+from tb_events import read_events
 
 import paragan_jax
 from paragan_jax.async_scheme import AsyncRunner
@@ -201,3 +202,22 @@ def test_only_the_commands_import_the_trainer():
             if isinstance(node, ast.ImportFrom) and node.module == "paragan_jax.train":
                 importers.add(path.stem)
     assert importers <= {"cli", "bench", "__init__"}, importers
+
+
+def test_periodic_eval_and_sample_grids_go_to_tensorboard(tmp_path):
+    over = [*RING, "sharding.num_devices=1", "steps=4", "checkpoint.enabled=false"]
+    cfg = load_train_config("tiny", [*over, "eval.every=2", "eval.sample_every=3"])
+    Trainer(cfg, str(tmp_path), progress=False).train()
+    (events,) = read_events(tmp_path / "tb").values()  # one writer
+    for name in ("fd", "kid", "classifier_score", "modes_covered"):
+        assert [step for step, _ in events[f"eval/{name}"]] == [2, 4], name
+    fd = [v for _, v in events["eval/fd"]]
+    assert all(np.isfinite(fd)) and fd[0] != fd[1]  # the generator moved between evaluations
+    assert [step for step, _ in events["train/d_loss"]] == [1, 2, 3, 4]
+    images = events["samples"]
+    assert [step for step, _ in images] == [3, 4]  # sample_every, then the run's final grid
+    assert images[0][1].height > 100 and images[0][1].encoded_image_string[:4] == b"\x89PNG"
+    assert sorted(p.name for p in tmp_path.glob("samples_step*.png")) == [
+        "samples_step3.png",
+        "samples_step4.png",
+    ]
