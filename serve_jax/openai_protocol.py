@@ -349,11 +349,16 @@ class Responder:
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [
-                {self._token(i): x for i, x in zip(lp.top_ids, lp.top_logprobs)} for lp in lps
-            ],
+            "top_logprobs": [self._top(lp) for lp in lps],
             "text_offset": offsets,
         }
+
+    def _top(self, lp: TokenLogprobs) -> dict[str, float]:
+        """Completions' ``{token text: logprob}``; ids with the same text keep the likelier."""
+        top: dict[str, float] = {}
+        for i, x in zip(lp.top_ids, lp.top_logprobs, strict=True):
+            top.setdefault(self._token(i), x)
+        return top
 
     def _object(self, kind: str, choices: list, **extra) -> dict:
         name = ("chat.completion" if self.chat else "text_completion") + kind
