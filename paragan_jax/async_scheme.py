@@ -53,6 +53,7 @@ from tapas_jax.config import ConfigError
 from tapas_jax.mesh import axis_size, split_mesh
 
 from .config import TrainConfig
+from .data import device_batch
 from .state import graphdefs, init_train_state, make_optimizer, state_shardings
 from .steps import GANFunctions, compile_step, stack_batches
 
@@ -320,7 +321,7 @@ class AsyncRunner:
         if not self._compiled:
             self._compile()
         self._fill_buffer()
-        batch = jax.device_put(stack_batches(batches), self.d.batch_sharding)
+        batch = device_batch(stack_batches(batches), self.d.batch_sharding)
         fakes, labels = self.buffer[0]
         if len(self.buffer) > self.lag:
             self.buffer.popleft()

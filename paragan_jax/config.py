@@ -86,7 +86,8 @@ class DataConfig:
     """Where the real samples come from and how they are batched."""
 
     source: str = "digits"
-    """``digits`` (scikit-learn, embedded), ``ring8``, ``grid25``, ``folder`` or ``npy``."""
+    """``digits`` (scikit-learn, embedded), ``ring8``, ``grid25``, ``folder``, ``npy`` or
+    ``shards`` (``python -m paragan_jax prepare`` output, read lazily)."""
     path: str = ""
     """Image folder (``folder``) or directory of ``.npy``/``.npz`` shards (``npy``)."""
     batch_size: int = 64
@@ -216,7 +217,7 @@ class TrainConfig:
 
 
 _ARCHS = ("dcgan", "biggan", "mlp")
-_SOURCES = ("digits", "ring8", "grid25", "folder", "npy")
+_SOURCES = ("digits", "ring8", "grid25", "folder", "npy", "shards")
 _LAYOUTS = ("auto", "tpu", "gpu", "cpu", "none")
 
 
@@ -288,7 +289,7 @@ def validate_config(config: TrainConfig) -> None:
         raise ConfigError(f"async_.staleness={config.async_.staleness}: must be >= 0")
     if not 0.0 <= config.ema_decay < 1.0:
         raise ConfigError(f"ema_decay={config.ema_decay}: must be in [0, 1)")
-    if d.source in ("folder", "npy") and not d.path:
+    if d.source in ("folder", "npy", "shards") and not d.path:
         raise ConfigError(f"data.source={d.source!r} needs data.path")
 
 

@@ -10,9 +10,16 @@ Sources (``data.source``):
 - ``folder``: an image folder (PNG/JPEG), one sub-folder per class or flat (one class). Every image
   must have the same size; they are resized to ``model.resolution`` if that differs.
 - ``npy``: a directory of ``.npy`` (images only) or ``.npz`` (``images`` and optional ``labels``)
-  shards of shape (N, H, W[, C]); uint8 is scaled from [0, 255], floats must already be in [-1, 1].
+  shards of shape (N, H, W[, C]); uint8, or floats already in [-1, 1].
+- ``shards``: the sharded uint8 format of `paragan_jax.shards` (``python -m paragan_jax prepare``
+  writes it; ``data.path`` a directory, ``gs://...`` or ``http://...``), read lazily: only the
+  labels are loaded, images are read when a batch asks for them (`paragan_jax.shards.ShardImages`).
 
-Images are float32 NHWC in [-1, 1]; labels int32.
+Images are NHWC: uint8 in [0, 255] where the source is uint8 (folder, uint8 npy, shards; a
+quarter of the memory of float32) and float32 in [-1, 1] otherwise (digits, float npy); labels
+int32. uint8 batches stay uint8 on the host and are cast on the device: `device_batch` puts a
+host batch with its sharding and maps uint8 images to float32 in [-1, 1] there;
+`as_float_images` is the same map on the host (metrics of real images).
 
 The loader is deterministic: batch ``i`` is a pure function of ``(seed, i)`` (epoch ``i // nb``
 is a fresh permutation seeded by ``[seed, epoch]``; the last incomplete batch of an epoch is
@@ -31,10 +38,13 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from scipy.ndimage import zoom
 
 from .config import TrainConfig
+from .shards import ShardedStorage, ShardImages
 
 __all__ = [
     "Batch",
@@ -42,10 +52,13 @@ __all__ = [
     "Dataset",
     "IMAGE_EXTS",
     "PrefetchLoader",
+    "as_float_images",
     "batch_at",
+    "device_batch",
     "gaussian_mixture",
     "load_dataset",
     "read_image",
+    "resize_uint8",
 ]
 
 Batch = dict[str, np.ndarray]
@@ -61,7 +74,7 @@ class Dataset:
     """Real samples in memory."""
 
     name: str
-    images: np.ndarray  # (N, H, W, C) float32 in [-1, 1], or (N, 2) for mixtures
+    images: np.ndarray | ShardImages  # (N, H, W, C) uint8 or float32 in [-1, 1]; (N, 2) mixtures
     labels: np.ndarray  # (N,) int32
     num_classes: int
     modes: np.ndarray | None = None  # (M, 2) mixture centres
@@ -73,6 +86,62 @@ class Dataset:
 
     def __len__(self) -> int:
         return int(self.images.shape[0])
+
+
+# uint8 -> [-1, 1] as (x - 127.5) * c: the subtraction is exact and the product rounds once, so
+# host and device agree bit for bit (x / 127.5 - 1 does not: XLA turns the division into a
+# product by the reciprocal) and the ends map to exactly -1 and 1.
+_SCALE = np.float32(1 / 127.5)
+
+
+def as_float_images(images) -> np.ndarray:
+    """float32 in [-1, 1]: uint8 images scaled from [0, 255], float images as they are."""
+    x = np.asarray(images)
+    if x.dtype == np.uint8:
+        return (x.astype(np.float32) - np.float32(127.5)) * _SCALE
+    return x.astype(np.float32, copy=False)
+
+
+@jax.jit
+def _unit_range(images: jax.Array) -> jax.Array:
+    return (images.astype(jnp.float32) - jnp.float32(127.5)) * _SCALE
+
+
+def device_batch(batch: Batch, sharding, local: bool = False) -> dict[str, jax.Array]:
+    """A host batch on the devices of `sharding`; uint8 images cross as uint8 (a quarter of the
+    bytes of float32) and become float32 in [-1, 1] on the device.
+
+    Args:
+      batch: host arrays (``image``, ``label``, ...).
+      sharding: where they go.
+      local: the arrays are this process's share of a global batch
+        (``jax.make_array_from_process_local_data``); otherwise every process holds all of it.
+    """
+    if local:
+        out = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+    else:
+        out = jax.device_put(batch, sharding)
+    if out["image"].dtype == jnp.uint8:
+        out["image"] = _unit_range(out["image"])
+    return out
+
+
+def resize_uint8(images: np.ndarray, size: int, chunk: int = 256) -> np.ndarray:
+    """(N, H, W, C) uint8 resized (bilinear) to (N, size, size, C) uint8, `chunk` at a time."""
+    n, h, w, _ = images.shape
+    if (h, w) == (size, size):
+        return images
+    out = []
+    for i in range(0, n, chunk):
+        x = zoom(
+            images[i : i + chunk].astype(np.float32),
+            (1, size / h, size / w, 1),
+            order=1,
+            grid_mode=True,
+            mode="nearest",
+        )
+        out.append(np.clip(np.rint(x), 0, 255).astype(np.uint8))
+    return np.concatenate(out)
 
 
 def _resize(images: np.ndarray, size: int) -> np.ndarray:
@@ -168,20 +237,32 @@ def _to_dataset(name, arr, labels, resolution, channels, num_classes) -> Dataset
         if arr.shape[-1] == 1 and channels == 3:
             arr = np.repeat(arr, 3, axis=-1)
         elif arr.shape[-1] == 3 and channels == 1:
-            arr = arr.mean(axis=-1, keepdims=True)
+            grey = arr.mean(axis=-1, keepdims=True)
+            arr = np.rint(grey).astype(np.uint8) if arr.dtype == np.uint8 else grey
         else:
             raise DataError(
                 f"{name}: images have {arr.shape[-1]} channels; model.channels={channels}"
             )
-    if arr.dtype == np.uint8:
-        arr = arr.astype(np.float32) / 127.5 - 1.0
-    else:
-        arr = arr.astype(np.float32)
-        if arr.min() < -1.0 - 1e-3 or arr.max() > 1.0 + 1e-3:
-            raise DataError(
-                f"{name}: float images must lie in [-1, 1]; got [{arr.min()}, {arr.max()}]"
-            )
-    return Dataset(name, _resize(arr, resolution), labels.astype(np.int32), num_classes)
+    labels = labels.astype(np.int32)
+    if arr.dtype == np.uint8:  # stays uint8 on the host
+        return Dataset(name, resize_uint8(arr, resolution), labels, num_classes)
+    arr = arr.astype(np.float32)
+    if arr.min() < -1.0 - 1e-3 or arr.max() > 1.0 + 1e-3:
+        raise DataError(f"{name}: float images must lie in [-1, 1]; got [{arr.min()}, {arr.max()}]")
+    return Dataset(name, _resize(arr, resolution), labels, num_classes)
+
+
+def _shards(path: str, resolution: int, channels: int) -> Dataset:
+    storage = ShardedStorage(path)
+    h, w, c = storage.image_shape
+    if (h, w, c) != (resolution, resolution, channels):
+        raise DataError(
+            f"data.path {path!r} holds {h}x{w}x{c} images; the model wants {resolution}x"
+            f"{resolution}x{channels} (prepare with --resolution {resolution} --channels "
+            f"{channels})"
+        )
+    name = f"shards:{path.rstrip('/').rsplit('/', 1)[-1]}"
+    return Dataset(name, ShardImages(storage), storage.labels, max(storage.num_classes, 1))
 
 
 def _npy(path: str, resolution: int, channels: int) -> Dataset:
@@ -237,6 +318,8 @@ def load_dataset(config: TrainConfig) -> Dataset:
         ds = _folder(d.path, m.resolution, m.channels)
     elif d.source == "npy":
         ds = _npy(d.path, m.resolution, m.channels)
+    elif d.source == "shards":
+        ds = _shards(d.path, m.resolution, m.channels)
     else:
         raise DataError(f"data.source={d.source!r} is not known")
     if len(ds) < d.batch_size:

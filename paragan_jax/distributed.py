@@ -45,7 +45,7 @@ from tapas_jax.mesh import make_mesh
 
 from .async_scheme import build_d_side, build_g_side
 from .config import TrainConfig, load_train_config
-from .data import PrefetchLoader, load_dataset
+from .data import PrefetchLoader, device_batch, load_dataset
 from .loop import grouped, run_steps
 from .state import check_batch_divides
 from .steps import compile_step, sample_images, stack_batches
@@ -228,7 +228,7 @@ class ProcessPairRunner:
             self._payload = (fakes, labels)
             return metrics
         sh = self.side.batch_sharding
-        batch = jax.device_put(stack_batches(batches), sh)
+        batch = device_batch(stack_batches(batches), sh)
         fakes = jax.device_put(np.asarray(self.fakes), sh)
         labels = jax.device_put(np.asarray(self.labels), sh)
         self.state, metrics = self.side.step(self.state, batch, fakes, labels)

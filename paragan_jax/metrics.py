@@ -33,7 +33,7 @@ from etils import epath
 from flax import nnx
 from scipy import linalg
 
-from .data import Dataset
+from .data import Dataset, as_float_images
 
 __all__ = [
     "FeatureClassifier",
@@ -174,7 +174,7 @@ def load_or_train_classifier(
     perm = rng.permutation(len(dataset))
     n_test = max(len(dataset) // 10, 1)
     test, train = perm[:n_test], perm[n_test:]
-    x, y = jnp.asarray(dataset.images), jnp.asarray(dataset.labels)
+    x, y = jnp.asarray(as_float_images(dataset.images)), jnp.asarray(dataset.labels)
     tx = optax.adam(1e-3)
     opt = tx.init(params)
 
@@ -217,7 +217,7 @@ def evaluate_samples(
     n = len(samples)
     rng = np.random.default_rng(1)
     real_idx = rng.choice(len(dataset), min(num_real or n, len(dataset)), replace=False)
-    real = dataset.images[real_idx]
+    real = as_float_images(dataset.images[real_idx])
     if dataset.is_mixture:
         out = {
             "fd": frechet_distance(real, samples),

@@ -43,6 +43,7 @@ from .storage import Example, FetchStats
 
 __all__ = [
     "FORMAT",
+    "ShardImages",
     "ShardWriter",
     "ShardedStorage",
     "kvstore_spec",
@@ -343,3 +344,35 @@ class ShardedStorage:
         futures = [self._arrays[s][off].read() for s, off in map(self.locate, indices)]
         images = np.stack([f.result() for f in futures])
         return {"image": images, "label": self.labels[np.asarray(indices)]}
+
+
+class ShardImages:
+    """The images of a `ShardedStorage` as a read-only uint8 array, read on demand.
+
+    Supports ``shape``, ``dtype``, ``len`` and indexing by an int, a slice or an index array
+    (the examples are read concurrently), which is what ``paragan_jax.data.batch_at`` and the
+    metrics ask of a data set's images; ``np.asarray`` reads them all.
+    """
+
+    def __init__(self, storage: ShardedStorage):
+        self.storage = storage
+        self.shape = (len(storage), *storage.image_shape)
+        self.dtype = np.dtype(np.uint8)
+        self.ndim = len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index) -> np.ndarray:
+        if isinstance(index, tuple):
+            raise TypeError("ShardImages takes one index (int, slice or index array)")
+        idx = np.arange(self.shape[0])[index]
+        if np.ndim(idx) == 0:
+            return self.storage.read(np.array([int(idx)]))["image"][0]
+        if len(idx) == 0:
+            return np.zeros((0, *self.shape[1:]), np.uint8)
+        return self.storage.read(idx)["image"]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)

@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import TrainConfig
+from .data import device_batch
 from .losses import d_loss, g_loss, r1_penalty
 from .state import StateLayout, TrainState, batch_struct, make_train_state
 
@@ -292,13 +293,9 @@ class SyncRunner:
 
     def put_batch(self, batches: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
         """The step's ``(n_disc, B, ...)`` device batch from ``n_disc`` loader batches."""
-        stacked = stack_batches(batches)
-        sharding = self.layout.batch_sharding
-        if self.local_batches:
-            return {
-                k: jax.make_array_from_process_local_data(sharding, v) for k, v in stacked.items()
-            }
-        return jax.device_put(stacked, sharding)
+        return device_batch(
+            stack_batches(batches), self.layout.batch_sharding, local=self.local_batches
+        )
 
     def run_step(self, batches: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
         """Dispatches one step on ``n_disc`` loader batches; returns its (device) metrics."""

@@ -1,5 +1,6 @@
 """Sharded uint8 data sets: prepare, per-process reads (local and HTTP), resume, bounded memory."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -174,3 +175,55 @@ def test_host_memory_stays_flat_on_a_ten_times_larger_data_set(tmp_path):
     large = _peak_rss_reading(tmp_path / "large", 78)
     assert small["examples"] == large["examples"] == 78 * 32
     assert large["peak_rss_kb"] <= 1.2 * small["peak_rss_kb"], (small, large)
+
+
+def test_uint8_batches_are_cast_on_the_device_like_on_the_host():
+    import jax
+
+    from paragan_jax.data import as_float_images, device_batch
+
+    images = _random(16, hw=4)[0]
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    out = device_batch({"image": images, "label": np.zeros(16, np.int32)}, sharding)
+    assert out["image"].dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(out["image"]), as_float_images(images))
+    every = as_float_images(np.arange(256, dtype=np.uint8))
+    assert every[0] == -1.0 and every[-1] == 1.0 and np.all(np.diff(every) > 0)
+
+
+def test_trainer_on_shards_reads_the_batches_of_the_same_data_in_memory(tmp_path):
+    from paragan_jax.config import load_train_config
+    from paragan_jax.data import batch_at, load_dataset
+    from paragan_jax.shards import ShardImages
+
+    m = prepare(PrepareCommand(src="digits", out=str(tmp_path / "sh"), resolution=8))
+    st = ShardedStorage(str(tmp_path / "sh"))
+    everything = st.read(np.arange(len(st)))
+    (tmp_path / "npy").mkdir()
+    np.savez(tmp_path / "npy" / "d.npz", images=everything["image"], labels=everything["label"])
+    cfgs, sets = {}, {}
+    for source, path in (("shards", tmp_path / "sh"), ("npy", tmp_path / "npy")):
+        cfgs[source] = load_train_config("tiny", [f"data.source={source}", f"data.path={path}"])
+        sets[source] = load_dataset(cfgs[source])
+        assert sets[source].images.dtype == np.uint8 and len(sets[source]) == m["count"] == 1797
+    assert isinstance(sets["shards"].images, ShardImages)
+    for i in (0, 111, 112):  # 112 batches of 16 an epoch
+        a, b = batch_at(sets["shards"], 16, 3, i), batch_at(sets["npy"], 16, 3, i)
+        np.testing.assert_array_equal(a["image"], b["image"])
+        np.testing.assert_array_equal(a["label"], b["label"])
+    wrong = dataclasses.replace(
+        cfgs["shards"], model=dataclasses.replace(cfgs["shards"].model, resolution=16)
+    )
+    with pytest.raises(DataError, match="prepare with --resolution 16"):
+        load_dataset(wrong)
+
+
+@pytest.mark.slow
+def test_trainer_trains_on_shards_with_uint8_batches(tmp_path):
+    from paragan_jax.config import load_train_config
+    from paragan_jax.train import Trainer
+
+    prepare(PrepareCommand(src="digits", out=str(tmp_path / "sh"), resolution=8))
+    cfg = load_train_config("tiny", ["data.source=shards", f"data.path={tmp_path / 'sh'}"])
+    summary = Trainer(cfg, str(tmp_path / "run"), progress=False).train(steps=2)
+    assert summary["step"] == 2 and all(np.isfinite(v) for v in summary["metrics"].values())
