@@ -2,11 +2,21 @@
 congested store.
 
 Input-bound training throughput (steps/s) of a fixed and of the adaptive input pipeline
-(`paragan_jax.pipeline`), on a clean and on a congested store. The store is the seeded
-remote-store EMULATION (`paragan_jax.storage.EmulatedRemoteStorage`) in front of real ``.npy``
-files written to a temporary directory; the step is a real jitted discriminator update. The fixed
-pipeline is sized as a user would size it for the clean store (Little's law on the measured step
-time and clean latency, with 100% headroom); the adaptive one starts from the same setting.
+(`paragan_jax.pipeline`), on a clean and on a congested store. Two stores (``store``):
+
+- ``emulated``: the seeded remote-store EMULATION (`paragan_jax.storage.EmulatedRemoteStorage`)
+  in front of real ``.npy`` files written to a temporary directory;
+- ``http``: a real socket path. The data set is written in the sharded uint8 format
+  (`paragan_jax.shards`), served by the loopback object server (`paragan_jax.http_store`:
+  aggregate bandwidth shared by all connections, per-request latency with jitter, congestion
+  episodes that multiply latency and leave only a share of the bandwidth), and read through
+  tensorstore's HTTP kvstore. Besides the four runs it sweeps fixed settings (workers x depth)
+  under the same congestion; ``best_fixed_congested`` is the best of them, the honest baseline
+  (the ``congested_fixed`` run keeps the old sizing for comparison).
+
+The step is a real jitted discriminator update that casts the uint8 images on the device. The
+fixed pipeline is sized as a user would size it for the clean store (Little's law on the measured
+step time and clean latency, with 100% headroom); the adaptive one starts from the same setting.
 Because this CPU is shared and its speed drifts, each step is held to a fixed period
 (``step_ms``, default 40 ms, as a TPU's steady step time would be; the real jitted step runs
 inside it), and short rounds of the four runs are interleaved. Steps run through the one step
@@ -34,10 +44,12 @@ from matplotlib.figure import Figure
 from tapas_jax.commands import write_json
 
 from .command_config import command_config_parser, load_command_config
+from .http_store import CongestionModel, ObjectServer
 from .layout import choose_layout, stem_conv
 from .loop import grouped, run_steps
 from .pipeline import InputPipeline
 from .pipeline_control import PipelineConfig
+from .shards import ShardedStorage, write_shards
 from .storage import (
     CongestionEpisodes,
     EmulatedRemoteStorage,
@@ -52,6 +64,8 @@ __all__ = ["BenchPipelineCommand", "HeldStepRunner", "bench_pipeline", "main"]
 class BenchPipelineCommand:
     """Settings of ``python -m paragan_jax bench-pipeline``."""
 
+    store: str = "emulated"
+    """``emulated`` (latency model, no sockets) or ``http`` (loopback object server)."""
     steps: int = 180
     """Timed steps per configuration (over all rounds)."""
     warmup: int = 10
@@ -65,13 +79,22 @@ class BenchPipelineCommand:
     examples: int = 4096
     """Data set size."""
     base_latency_ms: float = 3.0
-    """Clean fetch latency of the emulated store."""
+    """Clean fetch latency of the store."""
     congestion_factor: float = 5.0
-    """Latency multiplier of the emulated store while congested."""
+    """Latency multiplier of the store while congested."""
     mean_clean_s: float = 0.3
-    """Mean clean episode of the emulated store."""
+    """Mean clean episode of the store."""
     mean_congested_s: float = 3.0
-    """Mean congested episode of the emulated store."""
+    """Mean congested episode of the store."""
+    bandwidth_mb_s: float = 40.0
+    """http: aggregate bandwidth of the server (MB/s), shared by all connections."""
+    bandwidth_share: float = 0.3
+    """http: share of that bandwidth left while congested."""
+    jitter_sigma: float = 0.25
+    """http: log-normal shape of the per-request latency."""
+    sweep_workers: list[float] = dataclasses.field(default_factory=lambda: [1.0, 2.0, 4.0, 8.0])
+    """http: fixed settings swept under congestion, as multiples of the fixed run's workers;
+    each at the depth that keeps them busy and at twice it."""
     seed: int = 0
     """Seed of the data set, the emulated store and its congestion episodes."""
     json: str | None = None
@@ -90,6 +113,10 @@ class BenchPipelineCommand:
             raise ValueError("need steps >= 10 and examples >= pipeline.batch_size")
         if self.rounds < 1:
             raise ValueError("need rounds >= 1")
+        if self.store not in ("emulated", "http"):
+            raise ValueError(f"store must be 'emulated' or 'http', got {self.store!r}")
+        if not self.sweep_workers or min(self.sweep_workers) <= 0:
+            raise ValueError("sweep_workers must be positive multiples")
 
 
 def _bench_step(resolution: int, batch: int):
@@ -187,9 +214,42 @@ def _merge_runs(runs: list[dict]) -> dict:
     return merged
 
 
+class _EmulatedStore:
+    """Congestion control of the emulated store: episodes are set before the warmup and count
+    from the timed run's start."""
+
+    def __init__(self, storage: EmulatedRemoteStorage):
+        self.storage = storage
+
+    def prepare(self, episodes: CongestionEpisodes | None) -> None:
+        self.storage.episodes = episodes
+
+    def start(self) -> None:
+        self.storage.start()
+
+
+class _HttpStore:
+    """Congestion control of the loopback server: clean during the warmup, then the run's
+    episodes from its start (or clean throughout)."""
+
+    def __init__(self, server: ObjectServer):
+        self.server = server
+        self._episodes: CongestionEpisodes | None = None
+
+    def prepare(self, episodes: CongestionEpisodes | None) -> None:
+        self._episodes = episodes
+        self.server.set_congestion(False)
+
+    def start(self) -> None:
+        if self._episodes is not None:
+            self.server.restart_episodes(self._episodes)
+            self.server.set_congestion(None)
+
+
 def _run_pipeline(
     args: BenchPipelineCommand,
     storage,
+    control,
     pipe_cfg,
     step,
     params,
@@ -198,19 +258,20 @@ def _run_pipeline(
     round_: int = 0,
 ) -> dict:
     horizon = 600.0
-    storage.episodes = (
+    episodes = (
         CongestionEpisodes.seeded(
             args.seed + round_, horizon, args.mean_clean_s, args.mean_congested_s
         )
         if congested
         else None
     )
+    control.prepare(episodes)
     pipe = InputPipeline(storage, pipe_cfg, process_index=0, process_count=1)
     batches = pipe.batches()
     runner = HeldStepRunner(step, params, args.step_ms)
     # Fill the pipeline on a clean store; not timed.
     run_steps(runner, grouped(batches, 1), args.warmup)
-    storage.start()
+    control.start()
     marks: dict[str, float] = {}
 
     def after_first(n: int, _metrics) -> None:
@@ -225,7 +286,7 @@ def _run_pipeline(
     trace = pipe.trace[trace0:]
     workers = [t["workers"] for t in trace] or [pipe.controller.workers]
     depths = [t["depth"] for t in trace] or [pipe.controller.depth]
-    frac = storage.episodes.congested_fraction(wall) if storage.episodes else 0.0
+    frac = episodes.congested_fraction(wall) if episodes else 0.0
     return {
         "steps_per_s": steps / wall,
         "steps": steps,
@@ -244,56 +305,111 @@ def _run_pipeline(
     }
 
 
+def _sweep(cfg: BenchPipelineCommand, fixed_workers: int, max_depth: int) -> list[tuple[int, int]]:
+    """Fixed ``(workers, depth)`` settings: each multiple of the fixed run's workers at the
+    depth that keeps them busy (one batch ready besides those being fetched) and at twice it."""
+    b = cfg.pipeline.batch_size
+    out: list[tuple[int, int]] = []
+    for m in cfg.sweep_workers:
+        w = min(max(1, math.ceil(fixed_workers * m)), cfg.pipeline.max_workers)
+        d = min(math.ceil(w / b) + 1, max_depth)
+        for depth in (d, min(2 * d, max_depth)):
+            w_eff = min(w, depth * b)  # more threads than the window holds would idle
+            if (w_eff, depth) not in out:
+                out.append((w_eff, depth))
+    return out
+
+
+def _http_store(cfg: BenchPipelineCommand, tmp: str, images: np.ndarray, labels: np.ndarray):
+    """The data set as shards behind a started loopback server; returns (server, storage)."""
+    write_shards(
+        f"{tmp}/shards", [(images, labels)], len(images), images.shape[1:], examples_per_shard=1024
+    )
+    model = CongestionModel(
+        bandwidth_bytes_per_s=cfg.bandwidth_mb_s * 1e6,
+        base_latency_s=cfg.base_latency_ms / 1e3,
+        jitter_sigma=cfg.jitter_sigma,
+        latency_factor=cfg.congestion_factor,
+        bandwidth_share=cfg.bandwidth_share,
+        mean_clean_s=cfg.mean_clean_s,
+        mean_congested_s=cfg.mean_congested_s,
+        seed=cfg.seed,
+    )
+    server = ObjectServer(f"{tmp}/shards", model, congested=False).start()
+    return server, ShardedStorage(server.url)
+
+
 def bench_pipeline(cfg: BenchPipelineCommand) -> dict:
-    """Fixed against adaptive pipeline, clean against congested (emulated) store; prints a table
-    and returns the results (steps/s per configuration, retained ratios, traces)."""
+    """Fixed against adaptive pipeline, clean against congested store (and, over HTTP, a sweep
+    of fixed settings); prints a table and returns the results (steps/s per configuration,
+    retained ratios, traces)."""
     args, batch_size = cfg, cfg.pipeline.batch_size
     rng = np.random.default_rng(args.seed)
     r = args.resolution
     step, params = _bench_step(r, batch_size)
     bare_step_s = _time_step(step, params, batch_size, r)
     step_s = max(bare_step_s, args.step_ms / 1e3)
+    images = rng.integers(0, 256, (args.examples, r, r, 3), dtype=np.uint8)
+    labels = rng.integers(0, 10, (args.examples,), dtype=np.int32)
+    server = None
     with tempfile.TemporaryDirectory(prefix="paragan-bench-") as tmp:
-        write_local_dataset(
-            tmp,
-            {
-                "image": rng.integers(0, 256, (args.examples, r, r, 3), dtype=np.uint8),
-                "label": rng.integers(0, 10, (args.examples,), dtype=np.int32),
-            },
-        )
-        local = LocalArrayStorage(tmp)
         base = args.base_latency_ms / 1e3
-        storage = EmulatedRemoteStorage(
-            local,
-            seed=args.seed,
-            base_latency_s=base,
-            congestion_factor=args.congestion_factor,
-        )
-        clean_latency = base + local.example_nbytes() / storage.bandwidth
-        need = batch_size / step_s * clean_latency
-        # Tuned generously for the clean store: twice the Little's-law concurrency.
-        fixed_workers = max(1, math.ceil(need * 2.0))
-        cap = cfg.pipeline.memory_cap_bytes
-        configs = [
-            ("clean_fixed", False, False),
-            ("clean_adaptive", True, False),
-            ("congested_fixed", False, True),
-            ("congested_adaptive", True, True),
-        ]
-        # Interleave short rounds of the four configurations, so that the load of a shared
-        # machine drifting over the run affects all four alike.
-        runs: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
-        per_round = max(10, args.steps // args.rounds)
-        for r_i in range(args.rounds):
-            for name, adaptive, congested in configs:
-                pipe_cfg = dataclasses.replace(
-                    cfg.pipeline, adaptive=adaptive, num_workers=fixed_workers
+        if args.store == "http":
+            server, storage = _http_store(cfg, tmp, images, labels)
+            control = _HttpStore(server)
+            bandwidth = cfg.bandwidth_mb_s * 1e6
+        else:
+            write_local_dataset(tmp, {"image": images, "label": labels})
+            storage = EmulatedRemoteStorage(
+                LocalArrayStorage(tmp),
+                seed=args.seed,
+                base_latency_s=base,
+                congestion_factor=args.congestion_factor,
+            )
+            control = _EmulatedStore(storage)
+            bandwidth = storage.bandwidth
+        try:
+            clean_latency = base + storage.example_nbytes() / bandwidth
+            need = batch_size / step_s * clean_latency
+            # Tuned generously for the clean store: twice the Little's-law concurrency.
+            fixed_workers = max(1, math.ceil(need * 2.0))
+            cap = cfg.pipeline.memory_cap_bytes
+            configs = [
+                ("clean_fixed", False, False, fixed_workers, cfg.pipeline.prefetch_depth),
+                ("clean_adaptive", True, False, fixed_workers, cfg.pipeline.prefetch_depth),
+                ("congested_fixed", False, True, fixed_workers, cfg.pipeline.prefetch_depth),
+                ("congested_adaptive", True, True, fixed_workers, cfg.pipeline.prefetch_depth),
+            ]
+            sweep: list[tuple[int, int]] = []
+            if args.store == "http":
+                max_depth = min(
+                    cfg.pipeline.max_depth, cap // (storage.example_nbytes() * batch_size)
                 )
-                runs[name].append(
-                    _run_pipeline(cfg, storage, pipe_cfg, step, params, per_round, congested, r_i)
-                )
+                sweep = _sweep(cfg, fixed_workers, max_depth)
+                configs += [(f"sweep_w{w}_d{d}", False, True, w, d) for w, d in sweep]
+            # Interleave short rounds of all configurations, so that the load of a shared
+            # machine drifting over the run affects them alike.
+            runs: dict[str, list[dict]] = {c[0]: [] for c in configs}
+            per_round = max(10, args.steps // args.rounds)
+            for r_i in range(args.rounds):
+                for name, adaptive, congested, workers, depth in configs:
+                    pipe_cfg = dataclasses.replace(
+                        cfg.pipeline,
+                        adaptive=adaptive,
+                        num_workers=min(workers, cfg.pipeline.max_workers),
+                        prefetch_depth=min(depth, cfg.pipeline.max_depth),
+                    )
+                    runs[name].append(
+                        _run_pipeline(
+                            cfg, storage, control, pipe_cfg, step, params, per_round, congested, r_i
+                        )
+                    )
+            server_counters = dict(server.counters) if server is not None else None
+        finally:
+            if server is not None:
+                server.close()
         results = {name: _merge_runs(rs) for name, rs in runs.items()}
-    out = {k: v["steps_per_s"] for k, v in results.items()}
+    out = {k: results[k]["steps_per_s"] for k, *_ in configs[:4]}
     out["peak_buffer_bytes"] = max(v["peak_buffer_bytes"] for v in results.values())
     out["memory_cap_bytes"] = cap
     out["fixed_retained"] = out["congested_fixed"] / out["clean_fixed"]
@@ -302,15 +418,32 @@ def bench_pipeline(cfg: BenchPipelineCommand) -> dict:
     out["bare_cpu_step_s"] = bare_step_s
     out["fixed_workers"] = fixed_workers
     out["settings"] = dataclasses.asdict(cfg)
-    out["storage"] = "EMULATED remote store (seeded latency model) over local .npy files"
+    if args.store == "http":
+        best = max(sweep, key=lambda wd: results[f"sweep_w{wd[0]}_d{wd[1]}"]["steps_per_s"])
+        out["best_fixed_congested"] = results[f"sweep_w{best[0]}_d{best[1]}"]["steps_per_s"]
+        out["best_fixed_setting"] = {"workers": best[0], "depth": best[1]}
+        out["adaptive_vs_best_fixed"] = out["congested_adaptive"] / out["best_fixed_congested"]
+        out["fixed_sweep"] = [
+            {"workers": w, "depth": d, "steps_per_s": results[f"sweep_w{w}_d{d}"]["steps_per_s"]}
+            for w, d in sweep
+        ]
+        out["server"] = server_counters
+        out["store"] = (
+            "http: loopback object server (paragan_jax.http_store) serving sharded uint8 zarr3 "
+            "(paragan_jax.shards), read through tensorstore's http kvstore over real sockets"
+        )
+    else:
+        out["store"] = "EMULATED remote store (seeded latency model) over local .npy files"
+    out["storage"] = out["store"]
     out["details"] = {
         k: {kk: vv for kk, vv in v.items() if kk != "trace"} for k, v in results.items()
     }
     out["adaptive_trace"] = results["congested_adaptive"]["trace"]
 
     print(
-        f"bare CPU step {1e3 * bare_step_s:.1f} ms, held to {1e3 * step_s:.1f} ms "
-        f"({1 / step_s:.1f} steps/s); fixed pipeline: {fixed_workers} workers, depth 2"
+        f"{args.store} store; bare CPU step {1e3 * bare_step_s:.1f} ms, held to "
+        f"{1e3 * step_s:.1f} ms ({1 / step_s:.1f} steps/s); fixed pipeline: {fixed_workers} "
+        "workers, depth 2"
     )
     print(f"{'config':<20} {'steps/s':>8} {'wait%':>6} {'workers':>8} {'depth':>6} {'peak MiB':>9}")
     for k, v in results.items():
@@ -323,6 +456,12 @@ def bench_pipeline(cfg: BenchPipelineCommand) -> dict:
         f"adaptive {out['adaptive_retained']:.0%} (cap {cap / 2**20:.1f} MiB, "
         f"peak {out['peak_buffer_bytes'] / 2**20:.2f} MiB)"
     )
+    if args.store == "http":
+        print(
+            f"best fixed under congestion: {out['best_fixed_congested']:.1f} steps/s "
+            f"({best[0]} workers, depth {best[1]}); adaptive "
+            f"{out['adaptive_vs_best_fixed']:.0%} of it"
+        )
     return out
 
 

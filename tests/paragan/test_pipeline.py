@@ -285,3 +285,23 @@ def test_pipeline_settings_load_from_yaml_presets_and_overrides(tmp_path):
         load_command_config(
             BenchPipelineCommand, parser.parse_intermixed_args(["pipeline.bogus=1"])
         )
+
+
+def test_bench_pipeline_over_http_sweeps_fixed_settings(tmp_path):
+    import json
+
+    from paragan_jax.pipeline_bench import main
+
+    out = tmp_path / "http.json"
+    argv = ["bench-pipeline", "--store", "http", "--steps", "10", "--rounds", "1", "--warmup"]
+    argv += ["2", "--examples", "256", "--step-ms", "10", "--resolution", "8"]
+    argv += ["--sweep-workers", "2", "--json", str(out)]
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    for key in ("clean_fixed", "clean_adaptive", "congested_fixed", "congested_adaptive"):
+        assert data[key] > 0
+    assert data["store"].startswith("http")
+    swept = [s["steps_per_s"] for s in data["fixed_sweep"]]
+    assert len(swept) == 2 and data["best_fixed_congested"] == max(swept)
+    assert 0 < data["peak_buffer_bytes"] <= data["memory_cap_bytes"]
+    assert data["server"]["requests"] >= data["details"]["clean_fixed"]["steps"] * 32
