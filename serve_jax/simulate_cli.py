@@ -21,9 +21,10 @@ ablations ``predictive_nogate`` and ``predictive_recompute``.
 
 Prints one row per policy and the ratios of ``predictive`` to the best baseline of the run on
 each metric (and to ``fcfs_last``), writes the rows as a JSON list (keys ``policy``,
-``preemptions``, ``cascades``, ``p99_tpot_ms``, ``p99_ttft_ms``, ``throughput_tok_s``,
-``completed``, ``submitted``, ``rejected``, ``prefix_hit_rate`` first, then the other metrics;
-latencies in ms, as `serve_jax.metrics` reports them for every command) and a PNG next to it
+``preemptions``, ``cascades``, ``p99_tpot_ms`` and ``p99_tpot_s``, ``p99_ttft_ms`` and
+``p99_ttft_s``, ``throughput_tok_s``, ``completed``, ``submitted``, ``rejected``,
+``prefix_hit_rate`` first, then the other metrics, ``goodput_req_s`` among them; latency
+distributions in ms, as `serve_jax.metrics` reports them for every command) and a PNG next to it
 with the TPOT CDF of each policy and its cumulative preemptions over time.
 
 The check of the simulator against the real engine is its own command,
@@ -204,6 +205,17 @@ def best_baseline_ratios(results: list[SimulationResult]) -> dict[str, Any] | No
     }
 
 
+def _with_seconds(row: dict[str, Any]) -> dict[str, Any]:
+    """The row with ``p99_tpot_s`` and ``p99_ttft_s`` after their ms keys: the keys issue 13
+    names for these rows (and the JSON had before latencies moved to ms)."""
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        out[key] = value
+        if key in ("p99_tpot_ms", "p99_ttft_ms"):
+            out[key[:-3] + "_s"] = value / 1e3
+    return out
+
+
 def plot_results(results: list[SimulationResult], path: str | Path, title: str = "") -> None:
     """Writes a PNG: TPOT CDF per policy (left), cumulative preemptions over time (right)."""
     import matplotlib
@@ -281,7 +293,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         rows = []
         for r in results:
-            row = r.row()
+            row = _with_seconds(r.row())
             row.update(
                 model=config.model,
                 hardware=config.hardware,

@@ -26,10 +26,12 @@ def test_simulate_writes_rows_and_png(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert [r["policy"] for r in data] == ["fcfs_last", "fcfs_last_offload", "predictive"]
     for r in data:
-        for key in ("policy", "preemptions", "cascades", "p99_tpot_ms", "p99_ttft_ms",
-                    "throughput_tok_s", "completed", "submitted", "rejected",
-                    "prefix_hit_rate"):  # fmt: skip
+        for key in ("policy", "preemptions", "cascades", "p99_tpot_s", "p99_ttft_s",
+                    "p99_tpot_ms", "p99_ttft_ms", "throughput_tok_s", "goodput_req_s",
+                    "completed", "submitted", "rejected", "prefix_hit_rate"):  # fmt: skip
             assert key in r
+        assert r["p99_tpot_s"] * 1e3 == pytest.approx(r["p99_tpot_ms"], rel=1e-12)
+        assert r["p99_ttft_s"] * 1e3 == pytest.approx(r["p99_ttft_ms"], rel=1e-12)
         assert r["tpot_ms"]["p99"] == r["p99_tpot_ms"] > 0  # serve_jax.metrics, in ms
         assert r["completed"] == r["submitted"] == 12 and r["rejected"] == 0
         assert 0.0 <= r["prefix_hit_rate"] < 1.0
