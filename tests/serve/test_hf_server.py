@@ -53,3 +53,28 @@ def test_a_conversation_the_template_rejects_is_a_400(server):
     err = r.json()["error"]
     assert err["param"] == "messages" and "roles must alternate" in err["message"]
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_n2_greedy_chat_with_logprobs_gives_the_reference_twice(server):
+    url, name, engine = server
+    chat = json.loads((FIXTURES / name / "reference.json").read_text())["chat"]
+    parts = [[{"type": "text", "text": m["content"]}] for m in chat["messages"]]
+    messages = [{"role": m["role"], "content": p} for m, p in zip(chat["messages"], parts)]
+    body = {
+        "model": name,
+        "messages": messages,
+        "max_tokens": 8,
+        "temperature": 0,
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert [c["message"]["content"] for c in out["choices"]] == [chat["text"]] * 2
+    for c in out["choices"]:
+        content = c["logprobs"]["content"]
+        assert len(content) == len(c["token_ids"]) == len(chat["greedy_ids"])
+        assert all(e["logprob"] == e["top_logprobs"][0]["logprob"] for e in content)
+    assert out["usage"]["completion_tokens"] == 2 * len(chat["greedy_ids"])

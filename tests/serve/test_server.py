@@ -8,15 +8,17 @@ requests and disconnects a normal request still returns the dense reference's to
 from __future__ import annotations
 
 import json
+import logging
 import random
 import time
 
 import httpx
 import pytest
 
-from serve_jax.config import load_engine_config
+from serve_jax.config import ServerSection, load_engine_config
 from serve_jax.engine import Engine
 from serve_jax.kv_cache import dense_greedy_generate
+from serve_jax.openai_protocol import IGNORED_FIELDS, ChatRequest, CompletionRequest, parse_body
 
 MAX_QUEUE = 3
 BODY_LIMIT = 256 * 1024  # the default is 32 MiB (ServerSection.max_body_bytes)
@@ -308,3 +310,14 @@ def test_fuzz_then_normal_request(server):
     assert r.status_code == 200
     assert r.json()["choices"][0]["token_ids"] == dense_greedy_generate(engine.model, prompt, 6)
     assert_all_pages_free(engine, cfg)
+
+
+def test_unimplemented_fields_are_ignored_with_a_warning(caplog):
+    body = {"prompt": "x", "echo": False, "best_of": 2, "logit_bias": {"1": 5}, "tools": []}
+    with caplog.at_level(logging.WARNING, logger="serve_jax.server"):
+        parsed = parse_body(json.dumps(body).encode(), CompletionRequest)
+    assert parsed.prompt == "x"
+    assert "['best_of', 'echo', 'logit_bias', 'tools']" in caplog.text
+    assert IGNORED_FIELDS.isdisjoint(CompletionRequest.model_fields)
+    assert IGNORED_FIELDS.isdisjoint(ChatRequest.model_fields)
+    assert ServerSection().max_body_bytes == 32 * 1024 * 1024
