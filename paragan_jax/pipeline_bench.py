@@ -44,12 +44,12 @@ from matplotlib.figure import Figure
 from tapas_jax.commands import write_json
 
 from .command_config import command_config_parser, load_command_config
-from .http_store import CongestionModel, ObjectServer
+from .http_store import CongestionModel
 from .layout import choose_layout, stem_conv
 from .loop import grouped, run_steps
 from .pipeline import InputPipeline
 from .pipeline_control import PipelineConfig
-from .shards import ShardedStorage, write_shards
+from .pipeline_stores import EmulatedStoreControl, HttpStoreControl, fixed_sweep, serve_shards
 from .storage import (
     CongestionEpisodes,
     EmulatedRemoteStorage,
@@ -214,38 +214,6 @@ def _merge_runs(runs: list[dict]) -> dict:
     return merged
 
 
-class _EmulatedStore:
-    """Congestion control of the emulated store: episodes are set before the warmup and count
-    from the timed run's start."""
-
-    def __init__(self, storage: EmulatedRemoteStorage):
-        self.storage = storage
-
-    def prepare(self, episodes: CongestionEpisodes | None) -> None:
-        self.storage.episodes = episodes
-
-    def start(self) -> None:
-        self.storage.start()
-
-
-class _HttpStore:
-    """Congestion control of the loopback server: clean during the warmup, then the run's
-    episodes from its start (or clean throughout)."""
-
-    def __init__(self, server: ObjectServer):
-        self.server = server
-        self._episodes: CongestionEpisodes | None = None
-
-    def prepare(self, episodes: CongestionEpisodes | None) -> None:
-        self._episodes = episodes
-        self.server.set_congestion(False)
-
-    def start(self) -> None:
-        if self._episodes is not None:
-            self.server.restart_episodes(self._episodes)
-            self.server.set_congestion(None)
-
-
 def _run_pipeline(
     args: BenchPipelineCommand,
     storage,
@@ -305,40 +273,6 @@ def _run_pipeline(
     }
 
 
-def _sweep(cfg: BenchPipelineCommand, fixed_workers: int, max_depth: int) -> list[tuple[int, int]]:
-    """Fixed ``(workers, depth)`` settings: each multiple of the fixed run's workers at the
-    depth that keeps them busy (one batch ready besides those being fetched) and at twice it."""
-    b = cfg.pipeline.batch_size
-    out: list[tuple[int, int]] = []
-    for m in cfg.sweep_workers:
-        w = min(max(1, math.ceil(fixed_workers * m)), cfg.pipeline.max_workers)
-        d = min(math.ceil(w / b) + 1, max_depth)
-        for depth in (d, min(2 * d, max_depth)):
-            w_eff = min(w, depth * b)  # more threads than the window holds would idle
-            if (w_eff, depth) not in out:
-                out.append((w_eff, depth))
-    return out
-
-
-def _http_store(cfg: BenchPipelineCommand, tmp: str, images: np.ndarray, labels: np.ndarray):
-    """The data set as shards behind a started loopback server; returns (server, storage)."""
-    write_shards(
-        f"{tmp}/shards", [(images, labels)], len(images), images.shape[1:], examples_per_shard=1024
-    )
-    model = CongestionModel(
-        bandwidth_bytes_per_s=cfg.bandwidth_mb_s * 1e6,
-        base_latency_s=cfg.base_latency_ms / 1e3,
-        jitter_sigma=cfg.jitter_sigma,
-        latency_factor=cfg.congestion_factor,
-        bandwidth_share=cfg.bandwidth_share,
-        mean_clean_s=cfg.mean_clean_s,
-        mean_congested_s=cfg.mean_congested_s,
-        seed=cfg.seed,
-    )
-    server = ObjectServer(f"{tmp}/shards", model, congested=False).start()
-    return server, ShardedStorage(server.url)
-
-
 def bench_pipeline(cfg: BenchPipelineCommand) -> dict:
     """Fixed against adaptive pipeline, clean against congested store (and, over HTTP, a sweep
     of fixed settings); prints a table and returns the results (steps/s per configuration,
@@ -355,8 +289,18 @@ def bench_pipeline(cfg: BenchPipelineCommand) -> dict:
     with tempfile.TemporaryDirectory(prefix="paragan-bench-") as tmp:
         base = args.base_latency_ms / 1e3
         if args.store == "http":
-            server, storage = _http_store(cfg, tmp, images, labels)
-            control = _HttpStore(server)
+            model = CongestionModel(
+                bandwidth_bytes_per_s=cfg.bandwidth_mb_s * 1e6,
+                base_latency_s=base,
+                jitter_sigma=cfg.jitter_sigma,
+                latency_factor=cfg.congestion_factor,
+                bandwidth_share=cfg.bandwidth_share,
+                mean_clean_s=cfg.mean_clean_s,
+                mean_congested_s=cfg.mean_congested_s,
+                seed=cfg.seed,
+            )
+            server, storage = serve_shards(f"{tmp}/shards", images, labels, model)
+            control = HttpStoreControl(server)
             bandwidth = cfg.bandwidth_mb_s * 1e6
         else:
             write_local_dataset(tmp, {"image": images, "label": labels})
@@ -366,7 +310,7 @@ def bench_pipeline(cfg: BenchPipelineCommand) -> dict:
                 base_latency_s=base,
                 congestion_factor=args.congestion_factor,
             )
-            control = _EmulatedStore(storage)
+            control = EmulatedStoreControl(storage)
             bandwidth = storage.bandwidth
         try:
             clean_latency = base + storage.example_nbytes() / bandwidth
@@ -385,7 +329,13 @@ def bench_pipeline(cfg: BenchPipelineCommand) -> dict:
                 max_depth = min(
                     cfg.pipeline.max_depth, cap // (storage.example_nbytes() * batch_size)
                 )
-                sweep = _sweep(cfg, fixed_workers, max_depth)
+                sweep = fixed_sweep(
+                    fixed_workers,
+                    cfg.sweep_workers,
+                    batch_size,
+                    cfg.pipeline.max_workers,
+                    max_depth,
+                )
                 configs += [(f"sweep_w{w}_d{d}", False, True, w, d) for w, d in sweep]
             # Interleave short rounds of all configurations, so that the load of a shared
             # machine drifting over the run affects them alike.
