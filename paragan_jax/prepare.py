@@ -5,7 +5,7 @@ into the sharded uint8 format of `paragan_jax.shards`.
 
     python -m paragan_jax prepare --src ~/imagenet/train --out /data/in64 --resolution 64
     python -m paragan_jax prepare --src digits --out /tmp/digits32 --resolution 32
-    python -m paragan_jax prepare --src gs://bucket/npy --out gs://bucket/shards   # npy: local
+    python -m paragan_jax prepare --src ./npy --out gs://bucket/shards   # written with tensorstore
 
 Sources (``--src``): ``digits`` (scikit-learn's 8x8 digits); a directory of ``.npy`` (images) or
 ``.npz`` (``images``, optional ``labels``) files of shape (N, H, W[, C]), uint8 or float in
