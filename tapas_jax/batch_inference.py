@@ -42,7 +42,7 @@ def batch_dims(
         if batched and graph.shapes[v] and graph.shapes[v][0] % size == 0:
             bd[v] = 0
     one = MeshAxes({"_b": size})
-    hashes = None if folding is None else folding.hashes
+    hashes = None if folding is None or folding.hashes is None else folding.hashes.tolist()
     cache: dict[tuple, list[int | None]] = {}
     i, n = 0, len(graph.eqns)
     while i < n:

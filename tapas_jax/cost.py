@@ -33,7 +33,7 @@ import numpy as np
 from .batch_inference import batch_dims, batch_ok
 from .collectives import KINDS, bytes_moved, collective_seconds
 from .fold import Folding, local_hashes, no_folding
-from .follower_rules import constant_vars, follow, follow_operand, free_strategies
+from .follower_rules import constant_vars, follow_operand, follower, free_strategies
 from .graph import Graph
 from .hardware import HardwareProfile
 from .leader_rules import has_rule, leader_strategies
@@ -42,6 +42,7 @@ from .spec_algebra import MeshAxes, Spec, Strategy, candidate_specs, replicated,
 __all__ = ["Problem", "Lowered", "build_problem"]
 
 KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
+_MISSING = object()
 
 
 @dataclasses.dataclass
@@ -159,11 +160,16 @@ class Lowered:
         return uniq[idx[choice[self.owner[r]]]]
 
 
-def _table(specs: list[Spec]) -> tuple[tuple[Spec, ...], np.ndarray]:
-    """The distinct specs in order of first appearance, and the index of each spec in them."""
+def _table(specs: list[Spec], interned: dict) -> tuple[tuple[Spec, ...], np.ndarray]:
+    """The distinct specs in order of first appearance, and the index of each spec in them.
+
+    Equal tuples of distinct specs are one object (``interned``), so later stages may key
+    tables by identity.
+    """
     index: dict[Spec, int] = {}
     idx = [index.setdefault(s, len(index)) for s in specs]
-    return tuple(index), np.array(idx, dtype=np.int64)
+    uniq = tuple(index)
+    return interned.setdefault(uniq, uniq), np.array(idx, dtype=np.int64)
 
 
 class _Rule(NamedTuple):
@@ -180,6 +186,7 @@ class _Costs:
     def __init__(self, axes: MeshAxes, hw: HardwareProfile):
         self.axes, self.hw = axes, hw
         self.cache: dict = {}
+        self.rows: dict = {}
         self.no_bytes = np.zeros(len(KINDS))
 
     def comms(self, comms) -> tuple[float, np.ndarray]:
@@ -191,10 +198,16 @@ class _Costs:
             b[KIND_INDEX[kind]] += bytes_moved(kind, nbytes, p)
         return t, b
 
-    def strategy(self, s: Strategy) -> tuple[float, float, np.ndarray]:
-        t, b = self.comms(s.comms) if s.comms else (0.0, self.no_bytes)
-        compute = s.flops / self.hw.peak_flops + s.bytes_accessed / self.hw.hbm_bandwidth
-        return compute, t, b
+    def row(self, s: Strategy) -> tuple[float, ...]:
+        """Compute seconds, comm seconds, then bytes moved by kind, of one strategy (cached by
+        its cost fields: many strategies cost the same)."""
+        key = s[2:]
+        hit = self.rows.get(key)
+        if hit is None:
+            t, b = self.comms(s.comms) if s.comms else (0.0, self.no_bytes)
+            compute = s.flops / self.hw.peak_flops + s.bytes_accessed / self.hw.hbm_bandwidth
+            hit = self.rows[key] = (compute, t, *b.tolist())
+        return hit
 
     def reshard(self, src: Spec, dst: Spec, shape, itemsize) -> tuple[float, np.ndarray]:
         key = (src, dst, shape, itemsize)
@@ -254,8 +267,7 @@ def _peak_live(graph: Graph, constant: list[bool]) -> np.ndarray:
     outs = np.array([v for v in graph.outputs if v is not None], dtype=np.int64)
     if outs.size:
         last[outs] = n_eqns
-    itemsize = np.fromiter((d.itemsize for d in graph.dtypes), np.float64, graph.num_vars)
-    nbytes = np.fromiter(map(math.prod, graph.shapes), np.float64, graph.num_vars) * itemsize
+    nbytes = graph.var_nbytes()
     inter = (producer >= 0) & (last >= 0) & ~np.asarray(constant, dtype=bool)
     alloc = np.bincount(producer[inter], weights=nbytes[inter], minlength=n_eqns + 1)
     # a variable is freed after its last reader runs
@@ -304,18 +316,12 @@ def build_problem(
     req: dict[tuple[int, int], tuple[tuple[Spec, ...], np.ndarray]] = {}
     leader: dict[int, int] = {}
     unknown: set[str] = set()
+    interned: dict = {}  # spec tables, see `_table`
     shapes, dtypes = graph.shapes, graph.dtypes
     const = constant_vars(graph)
     # Equations with equal local hashes have equal rules: evaluate each rule once.
     sig = fold.hashes if fold.hashes is not None else local_hashes(graph)
-    follow_cache: dict = {}
-
-    def follow_cached(e, i, k, spec):
-        key = (sig[i], k, spec)
-        hit = follow_cache.get(key)
-        if hit is None:
-            hit = follow_cache[key] = follow(e, graph, k, spec, axes)
-        return hit
+    sig = sig.tolist()
 
     if batch_axis is not None and batch_axis in axes.sizes:
         bd = batch_dims(
@@ -345,10 +351,13 @@ def build_problem(
         return ok or strategies
 
     def priced(strategies: list[Strategy], eqn) -> _Rule:
-        price = np.array([(c, t, *b) for c, t, b in map(costs.strategy, strategies)])
-        outs = [_table([s.out_specs[o] for s in strategies]) for o in range(len(eqn.outvars))]
+        price = np.array([costs.row(s) for s in strategies])
+        outs = [
+            _table([s.out_specs[o] for s in strategies], interned)
+            for o in range(len(eqn.outvars))
+        ]
         ins = [
-            None if v is None else _table([s.in_specs[kk] for s in strategies])
+            None if v is None else _table([s.in_specs[kk] for s in strategies], interned)
             for kk, v in enumerate(eqn.invars)
         ]
         return _Rule(len(strategies), price, outs, ins)
@@ -375,7 +384,7 @@ def build_problem(
         n = prob.add_node(len(specs), path)
         price.append(np.zeros((len(specs), 2 + len(KINDS))))
         owner[v] = n
-        table[v] = _table(specs)
+        table[v] = _table(specs, interned)
 
     # Equations with equal local hashes have equal rules, so a rule's priced strategies and the
     # spec tables they induce are computed once per local hash and what else the rule reads:
@@ -389,10 +398,10 @@ def build_problem(
         if k is not None and w in owner:
             node = owner[w]
             uniq, idx = table[w]
-            key = ("follow", sig[i], k, uniq)
+            key = ("follow", sig[i], k, id(uniq))  # tables are interned
             rule = rules.get(key)
             if rule is None:
-                rule = rules[key] = priced([follow_cached(e, i, k, s) for s in uniq], e)
+                rule = rules[key] = priced(list(map(follower(e, graph, k, axes), uniq)), e)
             price[node] += mult * rule.price[idx]
         else:
             batch = (
@@ -428,7 +437,10 @@ def build_problem(
     keys = (fold.rep_var[var_idx] * n_eqns + fold.rep_eqn[eq_idx]) * n_pos + pos_idx
     uniq_keys, inverse = np.unique(keys, return_inverse=True)
     counts = np.bincount(inverse.ravel(), weights=weight, minlength=len(uniq_keys))
+    # Reshard tables by (source table, destination table, aval): tables are interned, so
+    # identity keys are exact and cheap (hashing the spec tuples per read is not).
     resharding: dict[tuple, tuple[np.ndarray, np.ndarray] | None] = {}
+    aval = graph.aval_ids()[0].tolist()
     read_var, rest = np.divmod(uniq_keys, n_eqns * n_pos)
     read_eqn, read_pos = np.divmod(rest, n_pos)
     for w, r, kk, c in zip(
@@ -436,11 +448,12 @@ def build_problem(
     ):
         src_uniq, src_idx = table[w]
         dst_uniq, dst_idx = req[(r, kk)]
-        shape, item = shapes[w], dtypes[w].itemsize
-        rkey = (src_uniq, dst_uniq, shape, item)
-        if rkey not in resharding:
-            resharding[rkey] = _reshard_table(costs, src_uniq, dst_uniq, shape, item)
-        small = resharding[rkey]
+        rkey = (id(src_uniq), id(dst_uniq), aval[w])
+        small = resharding.get(rkey, _MISSING)
+        if small is _MISSING:
+            small = resharding[rkey] = _reshard_table(
+                costs, src_uniq, dst_uniq, shapes[w], dtypes[w].itemsize
+            )
         if small is None:  # no layout pair costs anything
             continue
         t_small, b_small = small

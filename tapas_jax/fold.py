@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import heapq
 
 import numpy as np
 
@@ -27,6 +28,8 @@ from .graph import Graph
 __all__ = ["Block", "Folding", "fold_repeated_blocks", "no_folding", "local_hashes"]
 
 MIN_PERIOD = 6
+_TRIES = 16
+"""How many of the best-covering repeats are tried (wiring checked) before giving up."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,12 +93,13 @@ def _described_params(params: dict) -> tuple:
 
 
 def _literal_key(lit) -> tuple:
+    # The dtype itself, not ``dtype.str`` (which builds a string each time): equal either way.
     if isinstance(lit, np.generic | np.ndarray) and lit.size == 1:  # the usual literal
-        return ("lit", lit.dtype.str, lit.item())
+        return ("lit", lit.dtype, lit.item())
     a = np.asarray(lit)
     if a.size == 1:
-        return ("lit", a.dtype.str, a.item())
-    return ("lit", a.dtype.str, a.shape, hash(a.tobytes()))
+        return ("lit", a.dtype, a.item())
+    return ("lit", a.dtype, a.shape, hash(a.tobytes()))
 
 
 def graph_hash(graph: Graph) -> int:
@@ -117,12 +121,7 @@ def local_hashes(graph: Graph) -> np.ndarray:
     """
     eqns = graph.eqns
     n = len(eqns)
-    aval_ids: dict = {}
-    aval = np.fromiter(
-        (aval_ids.setdefault(a, len(aval_ids)) for a in zip(graph.shapes, graph.dtypes)),
-        np.int64,
-        graph.num_vars,
-    )
+    aval = graph.aval_ids()[0]
     head_ids: dict[tuple, int] = {}
     head = []
     for e in eqns:
@@ -238,17 +237,27 @@ def _find(graph: Graph, hashes, lo, hi, min_period, out: list[Block]) -> None:
     seg = hashes[lo:hi]
     if len(seg) < 2 * min_period:
         return
-    scored = []
-    for period in _candidate_periods(seg, min_period):
-        s, length = _longest_run(seg[:-period] == seg[period:])
-        copies = (length + period) // period
-        if copies >= 2:
-            scored.append((copies * period, -period, s, copies))
-    scored.sort(reverse=True)
-    for _covered, neg_p, s, copies in scored[:16]:
-        period = -neg_p
-        start = lo + s
-        copies = _copies_wired_alike(graph, start, period, copies)
+    # A period covers at most its matching positions + period equations. Repeats are tried
+    # (wiring checked) best first: most equations covered, then the shorter period, the later
+    # start, more copies; each period's longest run is only worked out once its bound could
+    # still beat the best repeat found so far.
+    masks = {p: seg[:-p] == seg[p:] for p in _candidate_periods(seg, min_period)}
+    bound = sorted(((int(np.count_nonzero(m)) + p, p) for p, m in masks.items()), reverse=True)
+    best: list[tuple[int, int, int, int]] = []  # heap of (-covered, period, -start, -copies)
+    j = 0
+    for _ in range(_TRIES):
+        while j < len(bound) and (not best or -best[0][0] <= bound[j][0]):
+            period = bound[j][1]
+            j += 1
+            s, length = _longest_run(masks[period])
+            copies = (length + period) // period
+            if copies >= 2:
+                heapq.heappush(best, (-copies * period, period, -s, -copies))
+        if not best:
+            return
+        _, period, neg_s, neg_copies = heapq.heappop(best)
+        start = lo - neg_s
+        copies = _copies_wired_alike(graph, start, period, -neg_copies)
         if copies >= 2:
             out.append(Block(start, period, copies))
             _find(graph, hashes, lo, start, min_period, out)
@@ -259,7 +268,7 @@ def _find(graph: Graph, hashes, lo, hi, min_period, out: list[Block]) -> None:
 def no_folding(graph: Graph) -> Folding:
     """The identity folding (every equation its own representative): the unfolded problem."""
     n = len(graph.eqns)
-    weights = np.array([e.weight for e in graph.eqns], dtype=np.float64)
+    weights = graph.eqn_weights().copy()
     return Folding([], np.arange(n), np.arange(graph.num_vars), weights, list(graph.scans))
 
 

@@ -13,13 +13,12 @@ prefers not to follow (constants are replicated and cheap to slice).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from .graph import Eqn, Graph
 from .spec_algebra import (
-    Comm,
     MeshAxes,
     Spec,
     Strategy,
@@ -36,6 +35,7 @@ __all__ = [
     "FOLLOWERS",
     "follow_operand",
     "follow",
+    "follower",
     "free_strategies",
     "constant_vars",
 ]
@@ -226,87 +226,135 @@ def _reshape_map(src_shape, dst_shape, spec: Spec, axes: MeshAxes) -> tuple[Spec
 
 def follow(eqn: Eqn, graph: Graph, k: int, spec: Spec, axes: MeshAxes) -> Strategy:
     """The strategy of follower `eqn` when its operand `k` is laid out as `spec`."""
+    return follower(eqn, graph, k, axes)(spec)
+
+
+def follower(eqn: Eqn, graph: Graph, k: int, axes: MeshAxes) -> Callable[[Spec], Strategy]:
+    """`follow` prepared for one equation: spec of operand `k` -> the equation's strategy.
+
+    Everything that depends only on shapes and parameters is worked out once, so applying the
+    rule to each spec of an operand's table costs little more than building the strategy.
+    """
     p = eqn.prim
     shapes = graph.shapes
     outs = eqn.outvars
+    n_out = len(outs)
     out_shape = shapes[outs[0]]
     item = graph.dtypes[outs[0]].itemsize
     op_shape = shapes[eqn.invars[k]]
-    kept = list(spec)
-    comms: list[Comm] = []
+    sizes = axes.sizes
+    # How each operand's required spec is made from the result's: (0, ()) a literal, (1, ())
+    # the followed operand, (2, mask) the result's spec on the dimensions the operand matches
+    # (same rank), (3, spec) a fixed replicated spec (another rank).
+    how: list[tuple[int, tuple]] = []
+    for kk, v in enumerate(eqn.invars):
+        if v is None:
+            how.append((0, ()))
+        elif kk == k:
+            how.append((1, ()))
+        elif len(shapes[v]) == len(out_shape):
+            how.append((2, tuple(x == y for x, y in zip(shapes[v], out_shape))))
+        else:
+            how.append((3, (None,) * len(shapes[v])))
+    only_followed = len(how) == 1 and how[0][0] == 1
 
     def reqs(out_spec: Spec, followed: Spec) -> tuple[Spec | None, ...]:
+        if only_followed:
+            return (followed,)
         res: list[Spec | None] = []
-        for kk, v in enumerate(eqn.invars):
-            if v is None:
+        for kind, x in how:
+            if kind == 0:
                 res.append(None)
-            elif kk == k:
+            elif kind == 1:
                 res.append(followed)
+            elif kind == 2:
+                res.append(tuple(a if m else None for a, m in zip(out_spec, x)))
             else:
-                s = shapes[v]
-                if len(s) == len(out_shape):
-                    res.append(
-                        tuple(a if s[d] == out_shape[d] else None for d, a in enumerate(out_spec))
-                    )
-                else:
-                    res.append((None,) * len(s))
+                res.append(x)
         return tuple(res)
 
+    def shards(spec: Spec) -> int:
+        return math.prod([sizes[a] for a in spec if a is not None])
+
+    out_bytes2 = sum(array_bytes(shapes[o], graph.dtypes[o].itemsize) for o in outs) * 2
+
     def traffic(out_spec: Spec) -> float:
-        sh = axes.shards(out_spec)
-        return sum(array_bytes(shapes[o], graph.dtypes[o].itemsize) for o in outs) * 2 / sh
+        return out_bytes2 / shards(out_spec)
 
     if p in ELEMENTWISE:
-        out_spec = (
-            tuple(a if op_shape[d] == out_shape[d] else None for d, a in enumerate(kept))
-            if len(op_shape) == len(out_shape)
-            else ((None,) * len(out_shape))
-        )
-        kept = [a if a in out_spec else None for a in kept]
-        return Strategy(
-            (out_spec,) * len(outs), reqs(out_spec, tuple(kept)), (), 0.0, traffic(out_spec)
-        )
+        if len(op_shape) == len(out_shape):
+            same = tuple(op_shape[d] == out_shape[d] for d in range(len(op_shape)))
+
+            def rule(spec: Spec) -> Strategy:
+                out = tuple(a if m else None for a, m in zip(spec, same))
+                kept = tuple(a if a in out else None for a in spec)
+                return Strategy((out,) * n_out, reqs(out, kept), (), 0.0, traffic(out))
+
+            return rule
+        repl = (None,) * len(out_shape)
+        unread = (None,) * len(op_shape)
+
+        def rule(spec: Spec) -> Strategy:
+            return Strategy((repl,) * n_out, reqs(repl, unread), (), 0.0, traffic(repl))
+
+        return rule
     if p == "broadcast_in_dim":
         dims = eqn.params["broadcast_dimensions"]
-        out = [None] * len(out_shape)
-        for j, d in enumerate(dims):
-            if op_shape[j] == out_shape[d]:
-                out[d] = kept[j]
-            else:
-                kept[j] = None
-        return Strategy((tuple(out),), reqs(tuple(out), tuple(kept)), (), 0.0, 0.0)
+        moves = [(j, d, op_shape[j] == out_shape[d]) for j, d in enumerate(dims)]
+
+        def rule(spec: Spec) -> Strategy:
+            kept = list(spec)
+            out: list[str | None] = [None] * len(out_shape)
+            for j, d, same in moves:
+                if same:
+                    out[d] = kept[j]
+                else:
+                    kept[j] = None
+            out_t = tuple(out)
+            return Strategy((out_t,), reqs(out_t, tuple(kept)), (), 0.0, 0.0)
+
+        return rule
     if p in ("reshape", "squeeze", "expand_dims"):
-        kept_t, out = _reshape_map(op_shape, out_shape, tuple(kept), axes)
-        return Strategy((out,), reqs(out, kept_t), (), 0.0, 0.0)
+
+        def rule(spec: Spec) -> Strategy:
+            kept_t, out = _reshape_map(op_shape, out_shape, spec, axes)
+            return Strategy((out,), reqs(out, kept_t), (), 0.0, 0.0)
+
+        return rule
     if p == "transpose":
         perm = eqn.params["permutation"]
-        out = tuple(kept[d] for d in perm)
-        return Strategy((out,), reqs(out, tuple(kept)), (), 0.0, traffic(out))
+
+        def rule(spec: Spec) -> Strategy:
+            out = tuple(spec[d] for d in perm)
+            return Strategy((out,), reqs(out, spec), (), 0.0, traffic(out))
+
+        return rule
     if p in REDUCE_ALLREDUCE or p in REDUCE_LOCAL or p in CUMULATIVE:
         red = eqn.params.get("axes")
         if red is None:
             red = (eqn.params["axis"],)
         red = tuple(red)
         if p in CUMULATIVE:
-            for d in red:
-                kept[d] = None
-            out = tuple(kept)
-            return Strategy((out,), reqs(out, tuple(kept)), (), 0.0, traffic(out))
-        if p in REDUCE_LOCAL:
-            for d in red:
-                kept[d] = None
-        out = tuple(a for d, a in enumerate(kept) if d not in red)
-        out_bytes = array_bytes(out_shape, item) / axes.shards(out)
-        for d in red:
-            if kept[d] is not None:
-                comms.append(("all-reduce", kept[d], out_bytes))
-        return Strategy(
-            (out,),
-            reqs(out, tuple(kept)),
-            tuple(comms),
-            0.0,
-            array_bytes(op_shape, item) / axes.shards(tuple(kept)),
-        )
+
+            def rule(spec: Spec) -> Strategy:
+                out = tuple(None if d in red else a for d, a in enumerate(spec))
+                return Strategy((out,), reqs(out, out), (), 0.0, traffic(out))
+
+            return rule
+        local = p in REDUCE_LOCAL
+        out_bytes = array_bytes(out_shape, item)
+        op_bytes = array_bytes(op_shape, item)
+
+        def rule(spec: Spec) -> Strategy:
+            kept = tuple(None if local and d in red else a for d, a in enumerate(spec))
+            out = tuple(a for d, a in enumerate(kept) if d not in red)
+            per_device = out_bytes / shards(out)
+            comms = tuple(
+                ("all-reduce", kept[d], per_device) for d in red if kept[d] is not None
+            )
+            return Strategy((out,), reqs(out, kept), comms, 0.0, op_bytes / shards(kept))
+
+        return rule
     if p in ("slice", "dynamic_slice", "pad", "rev", "sort", "reduce_precision"):
         if p == "rev":
             changed = set(eqn.params["dimensions"])
@@ -314,29 +362,43 @@ def follow(eqn: Eqn, graph: Graph, k: int, spec: Spec, axes: MeshAxes) -> Strate
             changed = {eqn.params["dimension"]}
         else:
             changed = {d for d in range(len(op_shape)) if op_shape[d] != out_shape[d]}
-        for d in changed:
-            kept[d] = None
-        out = tuple(kept)
-        return Strategy((out,) * len(outs), reqs(out, tuple(kept)), (), 0.0, traffic(out))
+
+        def rule(spec: Spec) -> Strategy:
+            out = tuple(None if d in changed else a for d, a in enumerate(spec))
+            return Strategy((out,) * n_out, reqs(out, out), (), 0.0, traffic(out))
+
+        return rule
     if p == "dynamic_update_slice":
         upd = shapes[eqn.invars[1]]
-        for d in range(len(op_shape)):
-            if upd[d] != op_shape[d]:
-                kept[d] = None
-        out = tuple(kept)
-        return Strategy((out,), reqs(out, tuple(kept)), (), 0.0, traffic(out))
+        changed = {d for d in range(len(op_shape)) if upd[d] != op_shape[d]}
+
+        def rule(spec: Spec) -> Strategy:
+            out = tuple(None if d in changed else a for d, a in enumerate(spec))
+            return Strategy((out,), reqs(out, out), (), 0.0, traffic(out))
+
+        return rule
     if p == "scan_slice":  # one layer of a stacked operand; the layer axis stays whole
-        kept[0] = None
-        out = tuple(kept[1:])
-        return Strategy((out,), reqs(out, tuple(kept)), (), 0.0, 0.0)
+
+        def rule(spec: Spec) -> Strategy:
+            kept = (None, *spec[1:])
+            return Strategy((kept[1:],), reqs(kept[1:], kept), (), 0.0, 0.0)
+
+        return rule
     if p == "scan_stack":
-        out = (None, *kept)
-        return Strategy((out,), reqs(out, tuple(kept)), (), 0.0, 0.0)
+
+        def rule(spec: Spec) -> Strategy:
+            out = (None, *spec)
+            return Strategy((out,), reqs(out, spec), (), 0.0, 0.0)
+
+        return rule
     if p in ("concatenate", "split"):
-        d = eqn.params.get("dimension", eqn.params.get("axis"))
-        kept[d] = None
-        out = tuple(kept)
-        return Strategy((out,) * len(outs), reqs(out, out), (), 0.0, traffic(out))
+        dim = eqn.params.get("dimension", eqn.params.get("axis"))
+
+        def rule(spec: Spec) -> Strategy:
+            out = tuple(None if d == dim else a for d, a in enumerate(spec))
+            return Strategy((out,) * n_out, reqs(out, out), (), 0.0, traffic(out))
+
+        return rule
     raise KeyError(p)
 
 
@@ -344,8 +406,9 @@ def free_strategies(eqn: Eqn, graph: Graph, k: int, axes: MeshAxes) -> list[Stra
     """A follower made a leader (its operand is not planned yet): one strategy per operand spec."""
     v = eqn.invars[k]
     seen = {}
+    rule = follower(eqn, graph, k, axes)
     for spec in candidate_specs(graph.shapes[v], axes):
-        s = follow(eqn, graph, k, spec, axes)
+        s = rule(spec)
         key = (s.out_specs, s.in_specs)
         if key not in seen and s.in_specs[k] == spec:
             seen[key] = s

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,13 +92,44 @@ class Graph:
     def nbytes(self, v: int) -> int:
         return int(np.prod(self.shapes[v], dtype=np.int64)) * np.dtype(self.dtypes[v]).itemsize
 
+    def eqn_weights(self) -> np.ndarray:
+        """`Eqn.weight` of every equation, cached."""
+        cached = self.__dict__.get("_weights")
+        if cached is None:
+            cached = np.array([e.weight for e in self.eqns], dtype=np.float64)
+            self.__dict__["_weights"] = cached
+        return cached
+
+    def aval_ids(self) -> tuple[np.ndarray, list[tuple[tuple[int, ...], np.dtype]]]:
+        """Per variable, the index of its (shape, dtype) among the distinct ones, and those."""
+        cached = self.__dict__.get("_avals")
+        if cached is None:
+            index: dict = {}
+            ids = np.fromiter(
+                (index.setdefault(a, len(index)) for a in zip(self.shapes, self.dtypes)),
+                np.int64,
+                self.num_vars,
+            )
+            cached = self.__dict__["_avals"] = (ids, list(index))
+        return cached
+
+    def var_nbytes(self) -> np.ndarray:
+        """Bytes of every variable (unsharded), as floats, cached."""
+        cached = self.__dict__.get("_nbytes")
+        if cached is None:
+            ids, avals = self.aval_ids()
+            elems = np.array([math.prod(s) for s, _ in avals], dtype=np.float64)
+            items = np.array([d.itemsize for _, d in avals], dtype=np.float64)
+            cached = self.__dict__["_nbytes"] = (elems * items)[ids]
+        return cached
+
     def operand_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Every variable operand as parallel arrays: equation, variable, position, weight."""
         cached = self.__dict__.get("_operands")
         if cached is None:
             eq, var, pos = self.operand_slots()
             keep = var >= 0  # literals are -1
-            weight = np.array([e.weight for e in self.eqns], dtype=np.float64)[eq]
+            weight = self.eqn_weights()[eq]
             for i, e in enumerate(self.eqns):
                 if e.operand_weights is not None:
                     weight[eq == i] *= np.asarray(e.operand_weights, dtype=np.float64)
@@ -194,12 +226,17 @@ def path_string(path: Sequence[Any]) -> str:
     return "/".join(parts)
 
 
+_JAXPRS = (jcore.ClosedJaxpr, jcore.Jaxpr)
+
+
 class _Builder:
     def __init__(self):
         self.shapes: list[tuple[int, ...]] = []
         self.dtypes: list[np.dtype] = []
         self.weight = 1.0
         self.scans: list[int] = []
+        self.avals: dict = {}
+        """(shape, dtype) of an aval -> the normalised pair, shared by every variable of it."""
 
     def emit(self, eqns: list[Eqn], e: Eqn) -> Eqn:
         e.weight = self.weight
@@ -270,8 +307,12 @@ class _Builder:
             self.emit(eqns, Eqn("scan_stack", {"length": length}, [b], [None], [y]))
 
     def new_var(self, aval) -> int:
-        self.shapes.append(tuple(int(d) for d in aval.shape))
-        self.dtypes.append(np.dtype(aval.dtype))
+        key = (aval.shape, aval.dtype)
+        norm = self.avals.get(key)
+        if norm is None:
+            norm = self.avals[key] = (tuple(int(d) for d in aval.shape), np.dtype(aval.dtype))
+        self.shapes.append(norm[0])
+        self.dtypes.append(norm[1])
         return len(self.shapes) - 1
 
     def flatten(self, jaxpr, env: dict, eqns: list[Eqn], prefix: tuple | None = ()) -> None:
@@ -325,8 +366,8 @@ class _Builder:
                 env[ov] = vid
             body = None
             params = dict(eqn.params)
-            for k, v in list(params.items()):
-                if isinstance(v, jcore.ClosedJaxpr | jcore.Jaxpr) or (
+            for k, v in eqn.params.items():
+                if isinstance(v, _JAXPRS) or (
                     isinstance(v, tuple) and v and isinstance(v[0], jcore.ClosedJaxpr)
                 ):
                     params[k] = "<jaxpr>"
@@ -354,7 +395,8 @@ def build_graph(fn: Callable[..., Any], *args: Any) -> Graph:
       The graph, with one input per array leaf of `args` and paths for every input.
     """
     abstract = jax.tree.map(_abstract, args)
-    closed = jax.make_jaxpr(fn)(*abstract)
+    # One trace gives both the jaxpr and the output structure (eval_shape would trace again).
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*abstract)
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     inner = closed.jaxpr
     if len(leaves_with_paths) != len(inner.invars):
@@ -378,7 +420,6 @@ def build_graph(fn: Callable[..., Any], *args: Any) -> Graph:
         eqns.append(Eqn("constant", {"value": c}, [], [], [vid]))
     b.flatten(inner, env, eqns)
     outputs = [None if isinstance(o, jcore.Literal) else env[o] for o in inner.outvars]
-    out_shape = jax.eval_shape(fn, *abstract)
     out_treedef = jax.tree_util.tree_structure(out_shape)
     return Graph(
         eqns,
