@@ -342,7 +342,7 @@ class JaxExecutor:
                 if c.sample and (p := _params(c.sampling)) is not None and p.logprobs is not None
             ]
             if wanted:
-                token_lp, top_ids, top_lp = (np.asarray(x) for x in lps)
+                token_lp, top_ids, top_lp = jax.device_get(lps)
             for i, c, k in wanted:
                 logprobs[c.request_id] = TokenLogprobs(
                     float(token_lp[i]),
