@@ -5,6 +5,7 @@ the same `ModelConfig` with the roofline of `serve_jax.costmodel`, so a model na
 shape everywhere (``--model`` of ``simulate``, ``model.preset`` of an engine config).
 
 Presets: ``tiny`` (tests), ``small`` (~24M parameters, the CPU demo), and the Llama shapes
+``smollm-135m`` (SmolLM-135M: the CPU comparison with Hugging Face ``generate``),
 ``llama3.2-1b`` (Llama-3.2-1B: the bf16 one-chip serving presets), ``llama-7b`` (Llama-2-7B),
 ``llama-13b`` (Llama-2-13B) and ``llama3-8b`` (Llama-3-8B, grouped-query attention) for
 planning and simulation (not meant to be instantiated on CPU).
@@ -148,6 +149,20 @@ PRESETS: dict[str, ModelConfig] = {
         ffn_dim=13824,
         max_seq_len=4096,
         dtype="bfloat16",
+    ),
+    # SmolLM-135M (HuggingFaceTB): a real small Llama, 30 layers, d=576, 9 heads over 3 KV
+    # heads of 64, MLP 1536, vocab 49152, tied embeddings (134.5M params); the CPU peer
+    # comparison against Hugging Face generate runs at this shape.
+    "smollm-135m": ModelConfig(
+        vocab_size=49152,
+        d_model=576,
+        n_layers=30,
+        n_heads=9,
+        n_kv_heads=3,
+        head_dim=64,
+        ffn_dim=1536,
+        tie_embeddings=True,
+        max_seq_len=2048,
     ),
     # Llama-3.2-1B: 16 layers, d=2048, 32 heads over 8 KV heads of 64, MLP 8192, tied
     # embeddings, llama3 RoPE scaling (1.24B params); the bf16 one-chip serving presets use it.
