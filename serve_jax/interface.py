@@ -182,6 +182,9 @@ class VictimPolicy:
     """Chooses which running requests to preempt, and how. Subclass and set ``name``."""
 
     name: str = "base"
+    on_tokens_every: int = 1
+    """`on_tokens` is called when a request's output count reaches a multiple of this (1: after
+    every token); a policy that looks at every n-th token sets n and saves the other calls."""
 
     def select_victims(self, view: SchedulerView) -> list[tuple[Request, PreemptMode]]:
         """Returns victims (from ``view.running``) and a mode for each; [] to preempt nobody."""
@@ -191,9 +194,9 @@ class VictimPolicy:
         """A request joined the running set (first time or after a preemption)."""
 
     def on_tokens(self, req: Request, now: float, num_new: int = 1) -> None:
-        """A request got ``num_new`` output tokens (one after each update_from_output; several
-        after a run of quiet decode steps the simulator applies at once, `serve_jax.sim_runs`,
-        during which nothing finished)."""
+        """A request's last ``num_new`` output tokens reached a multiple of ``on_tokens_every``
+        (one token after each update_from_output; several after a run of quiet decode steps the
+        simulator applies at once, `serve_jax.sim_runs`, during which nothing finished)."""
 
     def on_finished(self, req: Request, now: float) -> None:
         """A request finished or was aborted."""

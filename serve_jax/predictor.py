@@ -6,7 +6,8 @@ output length. The estimate is the residual-life distribution of ``L`` given ``L
 
 - empirical part: completed requests' output lengths, kept in a sliding window per prompt-length
   bucket (log2 of ``p``) and in one global window. ``E[L - g | L > g]`` and its quantiles come
-  from the samples above ``g`` (sorted list + lazy prefix sums: ``O(log n)`` per query).
+  from the samples above ``g`` (a sorted list for ranks, a Fenwick tree of sums by length:
+  ``O(log)`` per query and per update, exact integer sums).
 - parametric part: a log-normal fitted online to the same samples (Welford on ``log L``), which
   starts at a prior (cold start) and answers beyond the largest sample seen (the tail).
 - tail: a request older than every completed request is expected to run on for at least
@@ -38,6 +39,7 @@ import numpy as np
 __all__ = ["Prediction", "RemainingLengthPredictor", "PredictionLog"]
 
 _STD_NORMAL = NormalDist()
+_SQRT2 = math.sqrt(2.0)  # as `statistics.NormalDist.cdf` divides by it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,13 +53,16 @@ class Prediction:
 
 
 class _Pool:
-    """A sliding window of output lengths, sorted, with lazily rebuilt prefix sums."""
+    """A sliding window of output lengths: sorted (for quantiles by rank), with a Fenwick tree
+    of their sums by value (exact integer sums above any length in ``O(log max)``)."""
 
     def __init__(self, window: int):
         self.window = window
         self.fifo: deque[int] = deque()
         self.sorted: list[int] = []
-        self._suffix: np.ndarray | None = None  # suffix sums of `sorted`
+        self.total = 0
+        self._size = 1024  # the tree covers lengths 1 .. _size (doubled when one is longer)
+        self._tree = [0] * (self._size + 1)
         # Welford on log(length) for the log-normal fit.
         self.n = 0
         self.mean_log = 0.0
@@ -67,11 +72,40 @@ class _Pool:
         self.fifo.append(length)
         bisect.insort(self.sorted, length)
         self._welford(math.log(max(length, 1)), +1)
+        self._update(length, length)
         if len(self.fifo) > self.window:
             old = self.fifo.popleft()
             del self.sorted[bisect.bisect_left(self.sorted, old)]
             self._welford(math.log(max(old, 1)), -1)
-        self._suffix = None
+            self._update(old, -old)
+
+    def _update(self, length: int, delta: int) -> None:
+        if length > self._size:
+            while self._size < length:
+                self._size *= 2
+            self._tree = [0] * (self._size + 1)
+            for v in self.sorted:  # (``length`` itself is already in ``sorted``)
+                self._add_tree(v, v)
+            self.total = sum(self.sorted)
+            return
+        self.total += delta
+        self._add_tree(length, delta)
+
+    def _add_tree(self, i: int, delta: int) -> None:
+        tree, n = self._tree, self._size
+        while i <= n:
+            tree[i] += delta
+            i += i & -i
+
+    def sum_upto(self, length: int) -> int:
+        """Sum of the samples <= ``length``."""
+        tree = self._tree
+        i = min(length, self._size)
+        s = 0
+        while i > 0:
+            s += tree[i]
+            i &= i - 1
+        return s
 
     def _welford(self, x: float, sign: int) -> None:
         if sign > 0:
@@ -88,24 +122,6 @@ class _Pool:
             self.m2_log -= d * (x - self.mean_log)
             self.n -= 1
             self.m2_log = max(self.m2_log, 0.0)
-
-    def above(self, g: int) -> tuple[int, int, float]:
-        """(start index, count, sum) of the samples strictly greater than ``g``."""
-        i = bisect.bisect_right(self.sorted, g)
-        count = len(self.sorted) - i
-        if count == 0:
-            return i, 0, 0.0
-        if self._suffix is None:
-            arr = np.asarray(self.sorted, dtype=np.float64)
-            self._suffix = np.concatenate([np.cumsum(arr[::-1])[::-1], [0.0]])
-        return i, count, float(self._suffix[i])
-
-    def residual_quantile(self, start: int, count: int, g: int, q: float) -> float:
-        pos = start + q * (count - 1)
-        lo = int(math.floor(pos))
-        hi = min(lo + 1, len(self.sorted) - 1)
-        frac = pos - lo
-        return (1 - frac) * self.sorted[lo] + frac * self.sorted[hi] - g
 
 
 class RemainingLengthPredictor:
@@ -151,6 +167,7 @@ class RemainingLengthPredictor:
         self.global_pool = _Pool(window)
         self.buckets: dict[int, _Pool] = {}
         self.num_observed = 0
+        self._fit: tuple[float, float] | None = None  # `_lognormal` until the next observe
 
     @staticmethod
     def bucket_of(prompt_len: int) -> int:
@@ -168,6 +185,7 @@ class RemainingLengthPredictor:
             self.buckets[b] = _Pool(self.window)
         self.buckets[b].add(output_len)
         self.num_observed += 1
+        self._fit = None
 
     # -- the parametric (log-normal) level -----------------------------------------------------
 
@@ -179,45 +197,7 @@ class RemainingLengthPredictor:
         var = (pool.m2_log + k * self.prior_sigma**2) / (n + k) if n + k > 0 else 0.0
         return mu, max(math.sqrt(var), 1e-3)
 
-    @staticmethod
-    def _lognormal_residual(mu: float, sigma: float, g: int, levels) -> tuple[float, list[float]]:
-        # Residual life of a log-normal L given L > g.
-        if g <= 0:
-            mean = math.exp(mu + sigma**2 / 2)
-            qs = [math.exp(mu + sigma * _STD_NORMAL.inv_cdf(q)) for q in levels]
-            return mean, qs
-        z = (math.log(g) - mu) / sigma
-        surv = 1.0 - _STD_NORMAL.cdf(z)
-        if surv < 1e-12:
-            # Far beyond the fitted distribution: the residual of the tail is about
-            # g * sigma^2 / (log g - mu) (Mills ratio); keep it at least one token.
-            mean = max(g * sigma**2 / max(math.log(g) - mu, 1e-6), 1.0)
-            return mean, [mean * (q / 0.5) for q in levels]
-        partial = _STD_NORMAL.cdf(sigma - z)  # E[L 1{L>g}] / exp(mu + s^2/2)
-        mean = math.exp(mu + sigma**2 / 2) * partial / surv - g
-        base = _STD_NORMAL.cdf(z)
-        qs = []
-        for q in levels:
-            p = min(base + q * surv, 1.0 - 1e-12)
-            qs.append(max(math.exp(mu + sigma * _STD_NORMAL.inv_cdf(p)) - g, 0.0))
-        return max(mean, 1.0), qs
-
     # -- prediction --------------------------------------------------------------------------
-
-    def _blend(self, pool: _Pool | None, g: int, levels, fallback):
-        mean_fb, qs_fb = fallback
-        if pool is None:
-            return fallback
-        start, count, total = pool.above(g)
-        if count == 0:
-            return fallback
-        w = count / (count + self.shrinkage) if self.shrinkage > 0 else 1.0
-        mean = total / count - g
-        qs = [pool.residual_quantile(start, count, g, q) for q in levels]
-        return (
-            w * mean + (1 - w) * mean_fb,
-            [w * a + (1 - w) * b for a, b in zip(qs, qs_fb)],
-        )
 
     def predict(
         self,
@@ -239,14 +219,72 @@ class RemainingLengthPredictor:
         Returns:
           A `Prediction` (at least one token remaining; never above ``cap``).
         """
+        levels = self.quantile_levels if levels is None else levels
+        mean, qs = self.estimate(prompt_len, generated, levels, cap)
+        return Prediction(mean, dict(zip(levels, qs)))
+
+    def mean_and_quantile(
+        self, prompt_len: int, generated: int, level: float
+    ) -> tuple[float, float]:
+        """`predict`'s mean and ``level``-quantile, without building a `Prediction` (the
+        policies' hot path)."""
+        mean, qs = self.estimate(prompt_len, generated, (level,))
+        return mean, qs[0]
+
+    def estimate(
+        self, prompt_len: int, generated: int, levels: tuple[float, ...], cap: int | None = None
+    ) -> tuple[float, list[float]]:
+        """The mean and the quantiles at ``levels`` of `predict` (one pass, no objects: the
+        policies call this for every running request at every admission step)."""
         if generated < 0 or prompt_len < 0:
             raise ValueError(f"bad request state: prompt {prompt_len}, generated {generated}")
-        levels = self.quantile_levels if levels is None else levels
-        mu, sigma = self._lognormal()
-        est = self._lognormal_residual(mu, sigma, generated, levels)
-        est = self._blend(self.global_pool, generated, levels, est)
-        est = self._blend(self.buckets.get(self.bucket_of(prompt_len)), generated, levels, est)
-        mean, qs = est
+        fit = self._fit
+        if fit is None:
+            fit = self._fit = self._lognormal()
+        mu, sigma = fit
+        g = generated
+        inv_cdf = _STD_NORMAL.inv_cdf
+        # The log-normal level: residual life of L given L > g.
+        if g <= 0:
+            mean = math.exp(mu + sigma**2 / 2)
+            qs = [math.exp(mu + sigma * inv_cdf(q)) for q in levels]
+        else:
+            z = (math.log(g) - mu) / sigma
+            below = 0.5 * (1.0 + math.erf(z / _SQRT2))  # the standard normal cdf at z
+            surv = 1.0 - below
+            if surv < 1e-12:
+                # Far beyond the fitted distribution: the residual of the tail is about
+                # g * sigma^2 / (log g - mu) (Mills ratio); keep it at least one token.
+                mean = max(g * sigma**2 / max(math.log(g) - mu, 1e-6), 1.0)
+                qs = [mean * (q / 0.5) for q in levels]
+            else:
+                # E[L 1{L>g}] / exp(mu + s^2/2) is the cdf at sigma - z.
+                partial = 0.5 * (1.0 + math.erf((sigma - z) / _SQRT2))
+                mean = max(math.exp(mu + sigma**2 / 2) * partial / surv - g, 1.0)
+                qs = [
+                    max(math.exp(mu + sigma * inv_cdf(min(below + q * surv, 1.0 - 1e-12))) - g, 0.0)
+                    for q in levels
+                ]
+        # The empirical levels, global then the prompt's bucket, each shrunk towards the level
+        # above by n / (n + k) where n samples lie above g.
+        k = self.shrinkage
+        for pool in (self.global_pool, self.buckets.get(self.bucket_of(prompt_len))):
+            if pool is None:
+                continue
+            srt = pool.sorted
+            start = bisect.bisect_right(srt, g)
+            count = len(srt) - start
+            if count == 0:
+                continue
+            w = count / (count + k) if k > 0 else 1.0
+            mean = w * (float(pool.total - pool.sum_upto(g)) / count - g) + (1 - w) * mean
+            last = len(srt) - 1
+            for j, q in enumerate(levels):
+                pos = start + q * (count - 1)
+                lo = int(math.floor(pos))
+                frac = pos - lo
+                v = (1 - frac) * srt[lo] + frac * srt[min(lo + 1, last)] - g
+                qs[j] = w * v + (1 - w) * qs[j]
         pool = self.global_pool.sorted
         if pool and generated >= pool[-1] and self.tail_factor > 0:
             # Older than every completed request: the data says nothing, and a request that
@@ -259,8 +297,7 @@ class RemainingLengthPredictor:
         lo = 1.0
         hi = float(cap) if cap is not None else math.inf
         hi = max(hi, lo)
-        mean = min(max(mean, lo), hi)
-        return Prediction(mean, {q: min(max(v, lo), hi) for q, v in zip(levels, qs)})
+        return min(max(mean, lo), hi), [min(max(v, lo), hi) for v in qs]
 
 
 class PredictionLog:

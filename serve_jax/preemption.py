@@ -272,6 +272,7 @@ class PredictivePolicy(VictimPolicy):
         self.allow_offload = allow_offload
         self.gate = gate
         self.log = PredictionLog(self.predictor, record_every=record_every)
+        self.on_tokens_every = record_every  # the log's grid: no other token needs a call
         self._total_blocks: int | None = None
         self._block_size = 16
         if not gate:
@@ -293,20 +294,25 @@ class PredictivePolicy(VictimPolicy):
         st = self._state(req)
         g = req.num_output_tokens
         if st.generated_at_refresh < 0 or g - st.generated_at_refresh >= self.refresh_tokens:
-            pred = self.predictor.predict(req.num_prompt_tokens, g, levels=(self.gate_quantile,))
+            mean, gate = self.predictor.mean_and_quantile(
+                req.num_prompt_tokens, g, self.gate_quantile
+            )
             st.generated_at_refresh = g
-            st.remaining_at_refresh = pred.mean
-            st.gate_at_refresh = pred.quantiles[self.gate_quantile]
+            st.remaining_at_refresh = mean
+            st.gate_at_refresh = gate
         done = g - st.generated_at_refresh
         return max(st.remaining_at_refresh - done, 1.0), max(st.gate_at_refresh - done, 1.0)
 
     def on_admitted(self, req: Request, now: float) -> None:
         self.log.maybe_record(req.request_id, req.num_prompt_tokens, req.num_output_tokens)
 
-    def on_tokens(self, req: Request, now: float) -> None:
+    def on_tokens(self, req: Request, now: float, num_new: int = 1) -> None:
+        # Every grid point of the log the new tokens reached (after a run of several, the
+        # predictor has not changed since: nothing finished).
         n = len(req.output_token_ids)
-        if n % self.log.record_every == 0:  # cheap test first: this runs for every token
-            self.log.maybe_record(req.request_id, req.num_prompt_tokens, n)
+        every = self.log.record_every
+        for g in range(((n - num_new) // every + 1) * every, n + 1, every):
+            self.log.maybe_record(req.request_id, req.num_prompt_tokens, g)
 
     def on_finished(self, req: Request, now: float) -> None:
         if req.status in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):

@@ -121,6 +121,7 @@ class Scheduler:
         request (on by default, for every policy).
       enable_prefix_caching: automatic prefix caching in the block manager (on by default; see
         `serve_jax.kv_blocks`): an admission starts from the longest cached prefix of its tokens.
+      block_hash: the prefix cache's key function (``blake2b``; the simulator uses ``builtin``).
     """
 
     def __init__(
@@ -135,11 +136,12 @@ class Scheduler:
         max_model_len: int | None = None,
         no_admission_after_preemption: bool = True,
         enable_prefix_caching: bool = True,
+        block_hash: str = "blake2b",
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.blocks = KVBlockManager(
-            num_device_blocks, num_host_blocks, block_size, enable_prefix_caching
+            num_device_blocks, num_host_blocks, block_size, enable_prefix_caching, block_hash
         )
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -468,6 +470,7 @@ class Scheduler:
         on_tokens = self.policy.on_tokens
         if getattr(on_tokens, "__func__", None) is VictimPolicy.on_tokens:
             on_tokens = None
+        every = self.policy.on_tokens_every
         for chunks in (scheduler_output.prefills, scheduler_output.decodes):
             for chunk in chunks:
                 rid = chunk.request_id
@@ -495,7 +498,7 @@ class Scheduler:
                     status = RequestStatus.FINISHED_STOPPED
                 elif len(output) >= req.max_tokens:
                     status = RequestStatus.FINISHED_LENGTH
-                if on_tokens is not None:
+                if on_tokens is not None and len(output) % every == 0:
                     on_tokens(req, now)
                 if status is not None:
                     self.finish_request(rid, status, now)

@@ -29,6 +29,7 @@ STOP_TOKEN = 0
 """What the simulated executor samples to end a request."""
 TOKEN = 1
 """Every other token (prompts and outputs) of a simulated request."""
+_UNBOUNDED = 1 << 62
 
 
 class _ConstTokens:
@@ -96,6 +97,50 @@ class SimulatedExecutor:
     def set_time(self, now: float) -> None:
         """Moves the executor's clock forward (idle time between steps)."""
         self.now = max(self.now, now)
+
+    def has_copies_pending(self) -> bool:
+        """Whether an offload issued by an earlier step has not landed yet."""
+        return bool(self._pending_offloads)
+
+    def steps_before_stop(self, req: Request) -> int:
+        """How many more decode steps ``req`` runs before the one that samples its stop token
+        (unbounded: a large number)."""
+        if TOKEN in req.stop_token_ids:
+            return 0
+        if not self.emit_stop:
+            return _UNBOUNDED
+        target = self.output_lens.get(req.request_id)
+        if target is None:
+            return _UNBOUNDED
+        return target - len(req.output_token_ids) - 1
+
+    def decode_run_ends(
+        self, batch: int, context: int, max_steps: int, until: float | None
+    ) -> list[float]:
+        """End times of up to ``max_steps`` decode-only steps of ``batch`` requests with
+        ``context`` computed tokens (one more each step), as `execute` times them one by one; the
+        run stops before a step that would start at or after ``until`` (the next arrival).
+
+        Only for a run with no copies pending and roofline step times (`serve_jax.sim_runs`).
+        """
+        if self.step_times is not None or self._pending_offloads:
+            raise ValueError("decode runs need roofline step times and no copies in flight")
+        step = self.costs.step_seconds
+        ends: list[float] = []
+        now = self.now
+        for j in range(max_steps):
+            if j and until is not None and now >= until:
+                break
+            # As `execute` times a step of decodes only: their context counts the new token.
+            now = now + step((), batch, context + (j + 1) * batch)
+            ends.append(now)
+        return ends
+
+    def advance(self, ends: Sequence[float]) -> None:
+        """Accounts for a run of steps that ended at ``ends`` (`decode_run_ends`)."""
+        if ends:
+            self.now = ends[-1]
+            self.steps += len(ends)
 
     def compute_seconds(self, so: SchedulerOutput) -> float:
         """Roofline time of the step's prefill chunks and decodes."""

@@ -58,11 +58,21 @@ class SimMetrics:
         self.step_seconds: list[float] = []
         self.steps = 0
         """Executed steps of the run (set when it ends)."""
+        self.run_steps = 0
+        """Of those, steps applied in runs of quiet decodes (`add_decode_run`)."""
         self.wall = 0.0
         """Wall-clock seconds of the run (set when it ends)."""
         self._prev_step_preempted = False
         # recompute victims not resumed yet -> their computed tokens at the preemption
         self._to_recompute: dict[str, int] = {}
+
+    def add_decode_run(self, starts_and_ends: Sequence[float]) -> None:
+        """Counts a run of decode-only steps (`serve_jax.sim_runs`): ``starts_and_ends`` is the
+        start of the first step followed by the end of each."""
+        t = starts_and_ends
+        self.step_seconds.extend([float(t[j + 1] - t[j]) for j in range(len(t) - 1)])
+        self.run_steps += len(t) - 1
+        self._prev_step_preempted = False
 
     def __call__(self, out: StepOutput) -> None:
         so = out.scheduler_output

@@ -47,6 +47,7 @@ from serve_jax.scheduler import (
 )
 from serve_jax.sim_executor import STOP_TOKEN, TOKEN, SimulatedExecutor, compact_tokens
 from serve_jax.sim_metrics import SimMetrics, count_cascades
+from serve_jax.sim_runs import run_quiet_decodes
 from serve_jax.workloads import RequestSpec, Workload
 
 __all__ = [
@@ -100,6 +101,10 @@ class SimConfig:
     """Host KV blocks, overriding ``host_memory_gb``."""
     max_model_len: int | None = None
     """Longest prompt + output (default: all device blocks), as the engine's model limit."""
+    decode_runs: bool = True
+    """Apply runs of quiet decode steps at once (`serve_jax.sim_runs`; the same results, much
+    faster); off, every step goes through `EngineCore.step`. Runs are only used without extra
+    observers, replayed step times or replayed cost observations."""
 
     def model_config(self) -> ModelConfig:
         """The simulated model's shapes (the preset at ``dtype``)."""
@@ -151,6 +156,8 @@ class SimulationResult:
     step_seconds: list[float] = dataclasses.field(default_factory=list)
     restore_cache_hit_blocks: int = 0
     """Blocks of restored requests found cached on the device (shared, not copied back)."""
+    decode_run_steps: int = 0
+    """Steps applied in runs of quiet decodes (`serve_jax.sim_runs`; not a result, a speed)."""
 
     @property
     def throughput_tok_s(self) -> float:
@@ -313,6 +320,7 @@ def simulate(
         no_admission_after_preemption=config.no_admission_after_preemption,
         max_model_len=config.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
+        block_hash="builtin",  # (placeholder tokens, no adversary: the cheap key)
     )
     capacity = sched.max_model_len
     output_lens = {
@@ -352,6 +360,9 @@ def simulate(
     core.add_observer(feeder)
     for observer in observers:
         core.add_observer(observer)
+    runs = (
+        config.decode_runs and not observers and step_times is None and cost_observations is None
+    )
     idle_steps = 0
     while feeder.arrivals or sched.has_unfinished():
         feeder.feed(executor.now)
@@ -359,6 +370,10 @@ def simulate(
             if feeder.arrivals:  # (everything fed so far may have been refused)
                 executor.set_time(feeder.next_arrival)
             continue
+        if runs and run_quiet_decodes(
+            core, executor, tally, feeder.next_arrival, config.max_steps - core.num_steps
+        ):
+            continue  # nothing finished; the next step is not quiet (arrival, finish, memory)
         if core.step() is None:
             # Nothing can run until a new request arrives (e.g. everything waits on the gate).
             idle_steps += 1
@@ -438,6 +453,7 @@ def _result(pol, workload, feeder, sched, config: SimConfig, tally: SimMetrics) 
         preemption_log=tally.preempt_log,
         step_seconds=tally.step_seconds,
         restore_cache_hit_blocks=sched.blocks.restore_hit_blocks,
+        decode_run_steps=tally.run_steps,
     )
 
 
