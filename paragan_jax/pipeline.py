@@ -264,10 +264,15 @@ class BatchStream(Iterator[Example]):
             fetches=fetches,
         )
         with self._lock:
-            workers, _ = p.controller.update(obs)
+            before = p.controller.workers, p.controller.depth
+            workers, depth = p.controller.update(obs)
             self._ensure_threads(workers)
-            self._work_cv.notify_all()
-            self._park_cv.notify_all()
+            # Wake threads only when there is more for them to do: a wake-up of every parked
+            # or idle thread each interval costs the host the CPU the training step needs.
+            if depth > before[1] or workers > before[0]:
+                self._work_cv.notify_all()
+            if workers > before[0]:
+                self._park_cv.notify_all()
         p.trace.append(
             {
                 "step": p.steps,
