@@ -14,8 +14,11 @@ the hidden share of a scheme's collective time at one predicted chip count.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -82,21 +85,30 @@ def scheme_overlap(
 
 
 def read_schedule(
-    config: TrainConfig, target: str, per_chip_batch: int, schemes=("sync", "async")
+    config: TrainConfig,
+    target: str,
+    per_chip_batch: int,
+    schemes=("sync", "async"),
+    dump_dir: str | Path | None = None,
 ) -> tuple[dict[str, ScheduleReport], dict[str, Any]]:
     """Compiles each scheme's programs for `target` and reads their schedules.
 
     Args:
       config: the model's `TrainConfig` (its batch is replaced).
-      target: ``cpu`` (this machine's devices, up to 8; ``cpu:2``: two of them) or
-        ``tpu:<topology>``
-        (``tpu:v3:4x4``: a deviceless TPU topology, XLA's TPU latency-hiding scheduler).
+      target: ``cpu`` (this machine's devices, up to 8; ``cpu:2``: two of them),
+        ``tpu:<topology>`` (``tpu:v3:4x4``: a deviceless TPU topology, XLA's TPU latency-hiding
+        scheduler; ``LIBTPU_INIT_ARGS`` passes compiler flags, recorded in the info) or
+        ``hlo:<dir>`` (the programs a previous call wrote with `dump_dir`: nothing compiled).
       per_chip_batch: examples per chip (a TPU v2/v3 chip is two devices, each gets half).
+      dump_dir: also write each compiled program's text (``<name>.hlo``) and the info
+        (``info.json``) there, to be read again with ``hlo:<dir>``.
 
     Returns:
       ``(reports, info)``: a `ScheduleReport` per program, and the target, devices, XLA's
       cost-model estimate of each program's seconds where the backend gives one, and its FLOPs.
     """
+    if target.startswith("hlo:"):
+        return _read_dumped(Path(target[len("hlo:") :]))
     if target == "cpu" or target.startswith("cpu:"):
         n = int(target[len("cpu:") :]) if target != "cpu" else 8
         devices = jax.devices("cpu")[:n]
@@ -104,7 +116,8 @@ def read_schedule(
         devices = tpu_topology_devices(target[len("tpu:") :])
     else:
         raise ValueError(
-            f"schedule target {target!r}: expected 'cpu', 'cpu:<devices>' or 'tpu:<topology>'"
+            f"schedule target {target!r}: expected 'cpu', 'cpu:<devices>', 'tpu:<topology>' or "
+            "'hlo:<dir>'"
         )
     kind = str(getattr(devices[0], "device_kind", ""))
     per_chip_devices = 2 if re.search(r"v[23]\b", kind) else 1
@@ -121,11 +134,13 @@ def read_schedule(
         "device_kind": kind,
         "per_device_batch": per_device,
         "devices_per_chip": per_chip_devices,
+        "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", "") if target != "cpu" else "",
         "programs": {},
     }
     for scheme in schemes:
         for name, compiled in compile_programs(cfg, devices, scheme).items():
-            reports[name] = analyse_schedule(compiled.as_text())
+            text = compiled.as_text()
+            reports[name] = analyse_schedule(text)
             cost = compiled.cost_analysis() or {}
             if isinstance(cost, list | tuple):
                 cost = cost[0] if cost else {}
@@ -134,6 +149,24 @@ def read_schedule(
                 "xla_flops": float(cost.get("flops", 0.0)),
                 "xla_estimated_seconds": float(cost.get("optimal_seconds", 0.0)),
             }
+            if dump_dir is not None:
+                Path(dump_dir).mkdir(parents=True, exist_ok=True)
+                (Path(dump_dir) / f"{name}.hlo").write_text(text)
+    if dump_dir is not None:
+        (Path(dump_dir) / "info.json").write_text(json.dumps(info, indent=1))
+    return reports, info
+
+
+def _read_dumped(path: Path) -> tuple[dict[str, ScheduleReport], dict[str, Any]]:
+    """The reports and info of programs written by `read_schedule` (``dump_dir``)."""
+    if not (path / "info.json").is_file():
+        raise FileNotFoundError(f"schedule hlo:{path}: no info.json (write it with dump_dir)")
+    info = json.loads((path / "info.json").read_text())
+    reports = {}
+    for name in info["programs"]:
+        reports[name] = analyse_schedule((path / f"{name}.hlo").read_text())
+        info["programs"][name].update(reports[name].summary())  # read again, not trusted
+    info["compiled_target"], info["target"] = info["target"], f"hlo:{path}"
     return reports, info
 
 

@@ -197,7 +197,17 @@ def analyse_schedule(text: str) -> ScheduleReport:
         raise ValueError("no ENTRY computation in this HLO text")
     total = comp_flops(entry)
     found: list[CollectiveOp] = []
-    for comp in comps.values():
+    # TPU async collective fusions (v4 and later) carry one collective through a start fusion,
+    # compute fusions and a done fusion, each with a piece of it inside: the start stands for
+    # the collective (`_collective_kind`), the pieces are not collectives of their own.
+    pieces = {
+        c
+        for comp in comps.values()
+        for ins in comp
+        if ins.name.startswith(("async-collective-start", "async-collective-done"))
+        for c in ins.called
+    } | {name for name in comps if name.startswith("async_collective_fusion")}
+    for comp in (c for name, c in comps.items() if name not in pieces):
         index = {ins.name: i for i, ins in enumerate(comp)}
         preds = {ins.name: [o for o in ins.operands if o in index] for ins in comp}
         users: dict[str, list[str]] = {ins.name: [] for ins in comp}
@@ -238,6 +248,13 @@ def _collective_kind(ins, comp, comps, users, index):
     op = ins.opcode
     if op in _COLLECTIVES:
         return op, False, index[ins.name]
+    if op == "fusion" and ins.name.startswith("async-collective-start"):
+        inner = [i.opcode for c in ins.called for i in comps.get(c, [])]
+        kind = next((k for k in _COLLECTIVES if k in inner), None)
+        done = [index[u] for u in _closure(ins.name, users) if u.startswith("async-collective-d")]
+        if kind is None:
+            return None, False, -1
+        return kind, True, min(done) if done else index[ins.name]
     if not op.endswith("-start"):
         return None, False, -1
     kind = op[: -len("-start")]
