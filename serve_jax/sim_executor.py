@@ -114,6 +114,12 @@ class SimulatedExecutor:
             return _UNBOUNDED
         return target - len(req.output_token_ids) - 1
 
+    def sampled_token(self, req: Request) -> int:
+        """The token `execute` samples for ``req``'s next decode (`STOP_TOKEN` at its length)."""
+        n_out = len(req.output_token_ids) + 1
+        stop = self.emit_stop and n_out >= self.output_lens.get(req.request_id, math.inf)
+        return STOP_TOKEN if stop else TOKEN
+
     def decode_run_ends(
         self, batch: int, context: int, max_steps: int, until: float | None
     ) -> list[float]:

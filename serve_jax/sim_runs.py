@@ -1,10 +1,10 @@
 """Runs of quiet decode steps, applied at once: the simulator's fast path (pure Python).
 
 Most steps of a long trace are *quiet*: nothing is queued or offloaded, no copy is in flight,
-every running request decodes one token, nobody finishes, no request arrives and the free
-device blocks cover every block boundary the run crosses. Such a step's plan is known in
-advance, so `run_quiet_decodes` applies a whole run of them in one pass and gives exactly the
-state that `serve_jax.core.EngineCore.step` reaches one step at a time (the simulator's
+every running request decodes one token, no request arrives and the free device blocks cover
+every block boundary the run crosses. Such a step's plan is known in advance, so
+`run_quiet_decodes` applies a whole run of them in one pass and reaches exactly the state that
+`serve_jax.core.EngineCore.step` reaches one step at a time (the simulator's
 ``SimConfig.decode_runs`` switch turns it off; the tests compare both ways):
 
 * the executor times each step as `SimulatedExecutor.execute` does (same float operations, in
@@ -16,16 +16,20 @@ state that `serve_jax.core.EngineCore.step` reaches one step at a time (the simu
   would: ``admission_limit`` is asked once per step (nothing is queued, so only its per-step
   state moves, e.g. SGLang's ratio decay) and ``on_tokens`` once per request with the number of
   new tokens;
-* the metrics observer gets each step's duration (`SimMetrics.add_decode_run`).
+* a run ends with the first step in which a request finishes; that step's tokens and finishes
+  are applied request by request, in running order, as `Scheduler.update_from_output` applies
+  them (a finish moves the predictor that the next request's ``on_tokens`` may consult);
+* the metrics observer gets each step's duration (`SimMetrics.add_decode_run`), the arrival
+  feeder the finished requests.
 
-Steps that are not quiet (an arrival, a finish, a prefill, a preemption, a copy) run through
+Steps that are not quiet (an arrival, a prefill, a preemption, a copy) run through
 `EngineCore.step` as before.
 """
 
 from __future__ import annotations
 
 from serve_jax.core import EngineCore
-from serve_jax.interface import VictimPolicy
+from serve_jax.interface import RequestStatus, VictimPolicy
 from serve_jax.sim_executor import TOKEN, SimulatedExecutor
 from serve_jax.sim_metrics import SimMetrics
 
@@ -35,27 +39,32 @@ MIN_RUN = 2
 """Shorter runs go through `EngineCore.step` (nothing to gain)."""
 
 
-def quiet_run_length(core: EngineCore, executor: SimulatedExecutor, max_steps: int) -> int:
-    """How many of the next steps are quiet, ignoring arrivals (0: the next one is not)."""
+def quiet_run_length(
+    core: EngineCore, executor: SimulatedExecutor, max_steps: int
+) -> tuple[int, int]:
+    """(steps, finish step): how many of the next steps are quiet, ignoring arrivals, the
+    last of them possibly the first step in which a request finishes (its index is the
+    second number); (0, 0) if the next step is not quiet."""
     sched = core.scheduler
     running = sched.running
     if not running or sched.waiting or sched.offloaded:
-        return 0
+        return 0, 0
     if len(running) > sched.max_num_batched_tokens:
-        return 0
+        return 0, 0
     blocks = sched.blocks
     if blocks.has_copies_in_flight() or executor.has_copies_pending():
-        return 0
-    horizon = max_steps
+        return 0, 0
+    finish = max_steps
     before_stop = executor.steps_before_stop
     for req in running:
         n_out = len(req.output_token_ids)
         if not n_out or req.num_computed_tokens != len(req.prompt_token_ids) + n_out - 1:
-            return 0  # still prefilling (or a one-token prefill left)
-        # The step where it samples its stop token or reaches max_tokens is not quiet.
-        horizon = min(horizon, req.max_tokens - n_out - 1, before_stop(req))
-        if horizon < MIN_RUN:
-            return 0
+            return 0, 0  # still prefilling (or a one-token prefill left)
+        # The step where it samples its stop token or reaches max_tokens ends the run.
+        finish = min(finish, req.max_tokens - n_out - 1, before_stop(req))
+        if finish + 1 < MIN_RUN:
+            return 0, 0
+    horizon = min(finish + 1, max_steps)
     # Memory: the run's block allocations, in step order, must come from the free blocks.
     free = blocks.device.num_free
     tables = blocks.device_tables
@@ -69,7 +78,7 @@ def quiet_run_length(core: EngineCore, executor: SimulatedExecutor, max_steps: i
     if len(steps) > free:
         steps.sort()
         horizon = steps[free]  # that step would be short of blocks
-    return horizon if horizon >= MIN_RUN else 0
+    return (horizon, finish) if horizon >= MIN_RUN else (0, 0)
 
 
 def run_quiet_decodes(
@@ -78,30 +87,40 @@ def run_quiet_decodes(
     tally: SimMetrics,
     until: float | None,
     max_steps: int,
-) -> int:
+) -> tuple[int, list[str]]:
     """Applies the run of quiet steps that starts now (ending before ``until``, the next
-    arrival, and after at most ``max_steps``); returns how many steps it applied."""
-    k = quiet_run_length(core, executor, max_steps)
+    arrival, and after at most ``max_steps``).
+
+    Returns:
+      How many steps it applied, and the requests that finished in its last step (the
+      caller hands them to the arrival feeder, as the step's events would).
+    """
+    k, finish = quiet_run_length(core, executor, max_steps)
     if not k:
-        return 0
+        return 0, []
     sched = core.scheduler
     running = sched.running
     computed = [req.num_computed_tokens for req in running]
     ends = executor.decode_run_ends(len(running), sum(computed), k, until)
     k = len(ends)
     if k < MIN_RUN:
-        return 0
+        return 0, []
     start = executor.now
-    _apply(sched, computed, ends)
+    finished = _apply(sched, executor, computed, ends, k == finish + 1)
     executor.advance(ends)
     tally.add_decode_run([start, *ends])
     core.num_steps += k
-    return k
+    return k, finished
 
 
-def _apply(sched, computed: list[int], ends: list[float]) -> None:
-    """Advances every running request by ``len(ends)`` decode steps ending at ``ends``."""
+def _apply(
+    sched, executor: SimulatedExecutor, computed: list[int], ends: list[float], last_finishes: bool
+) -> list[str]:
+    """Advances every running request by ``len(ends)`` decode steps ending at ``ends``; with
+    ``last_finishes``, the last step is the one where some of them finish, applied request by
+    request as `Scheduler.update_from_output` does. Returns the finished request ids."""
     k = len(ends)
+    bulk = k - 1 if last_finishes else k  # steps whose tokens are applied at once
     running = sched.running
     blocks = sched.blocks
     tables = blocks.device_tables
@@ -109,7 +128,9 @@ def _apply(sched, computed: list[int], ends: list[float]) -> None:
     policy = sched.policy
     for _ in range(k):
         policy.admission_limit(sched)  # asked at the start of every step
-    # (step, 0 = allocate in schedule / 1 = register in update, running index)
+    # (step, 0 = allocate in schedule / 1 = register in update, running index); a finish
+    # frees blocks and moves the predictor but touches neither the allocations of its step
+    # (made before it) nor another request's registration.
     events = []
     caching = blocks.enable_prefix_caching
     for i, req in enumerate(running):
@@ -123,7 +144,7 @@ def _apply(sched, computed: list[int], ends: list[float]) -> None:
             while j < k:
                 events.append((j, 1, i))
                 j += bs
-    tokens = [TOKEN] * k
+    tokens = [TOKEN] * bulk
     for req in running:
         req.output_token_ids.extend(tokens)  # the hashes of full blocks read them
     if events:
@@ -141,12 +162,32 @@ def _apply(sched, computed: list[int], ends: list[float]) -> None:
     if getattr(on_tokens, "__func__", None) is VictimPolicy.on_tokens:
         on_tokens = None
     every = policy.on_tokens_every
-    now = ends[-1]
+    now = ends[bulk - 1]
+    bulk_ends = ends[:bulk]
     for i, req in enumerate(running):
         req.num_computed_tokens = computed[i] + k
-        req.token_times.extend(ends)
+        req.token_times.extend(bulk_ends)
         if on_tokens is not None:
             n = len(req.output_token_ids)
-            if n // every > (n - k) // every:
-                on_tokens(req, now, k)
+            if n // every > (n - bulk) // every:
+                on_tokens(req, now, bulk)
     sched.step_count += k
+    finished: list[str] = []
+    if last_finishes:
+        now = ends[-1]
+        for req in list(running):
+            output = req.output_token_ids
+            token = executor.sampled_token(req)
+            output.append(token)
+            req.token_times.append(now)
+            status = None
+            if token in req.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif len(output) >= req.max_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+            if on_tokens is not None and len(output) % every == 0:
+                on_tokens(req, now)
+            if status is not None:
+                sched.finish_request(req.request_id, status, now)
+                finished.append(req.request_id)
+    return finished

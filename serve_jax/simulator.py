@@ -256,12 +256,15 @@ class ArrivalFeeder:
             cid = child.request_id
             heapq.heappush(self.arrivals, (t + child.think_time, self.order[cid], cid))
 
+    def finished(self, rid: str, t: float) -> None:
+        """``rid`` finished at ``t``: keeps its token counts only and queues its follow-ups."""
+        compact_tokens(self.requests[rid])
+        self._release_children(rid, t)
+
     def __call__(self, out: StepOutput) -> None:
         for ev in out.events:
-            if not ev.finished:
-                continue
-            compact_tokens(self.requests[ev.request_id])
-            self._release_children(ev.request_id, out.finished_at)
+            if ev.finished:
+                self.finished(ev.request_id, out.finished_at)
 
 
 def simulate(
@@ -370,10 +373,14 @@ def simulate(
             if feeder.arrivals:  # (everything fed so far may have been refused)
                 executor.set_time(feeder.next_arrival)
             continue
-        if runs and run_quiet_decodes(
-            core, executor, tally, feeder.next_arrival, config.max_steps - core.num_steps
-        ):
-            continue  # nothing finished; the next step is not quiet (arrival, finish, memory)
+        if runs:
+            applied, finished = run_quiet_decodes(
+                core, executor, tally, feeder.next_arrival, config.max_steps - core.num_steps
+            )
+            if applied:
+                for rid in finished:  # (what the feeder does with the step's finish events)
+                    feeder.finished(rid, executor.now)
+                continue
         if core.step() is None:
             # Nothing can run until a new request arrives (e.g. everything waits on the gate).
             idle_steps += 1
