@@ -69,8 +69,11 @@ class ScalingCommand:
     )
     """Low and high jitter (the band's ends)."""
     schedule: str = ""
-    """Read the overlap from the compiled programs: cpu (this machine's devices) or
-    tpu:<topology> (tpu:v3:4x4, deviceless, needs libtpu); empty: no overlap (assumed)."""
+    """Read the overlap from the compiled programs: cpu (this machine's devices),
+    tpu:<topology> (tpu:v3:4x4, deviceless, needs libtpu; compiler flags via LIBTPU_INIT_ARGS)
+    or hlo:<dir> (programs written before by schedule_dump); empty: no overlap (assumed)."""
+    schedule_dump: str = ""
+    """Write the compiled programs read for `schedule` here (read them again: hlo:<dir>)."""
     overlap: float = ScalingParams.overlap
     """Hidden share of the all-reduce when the schedule is not read."""
     small_collectives: int = ScalingParams.small_collectives
@@ -84,6 +87,9 @@ class ScalingCommand:
     check_widths: list[int] = dataclasses.field(default_factory=lambda: [16, 32, 48])
     """Model widths of the CPU check: the first two fit the step's FLOP rate and fixed cost (one
     process), the others are only predicted (with two widths, only the first is fitted)."""
+    check_schemes: list[str] = dataclasses.field(default_factory=lambda: ["sync", "async"])
+    """Schemes the CPU check measures (async: G and D groups of processes, 2 processes and up;
+    the first width at 2 processes fits its exchange's host cost)."""
     json: str | None = None
     """Write the rows and inputs here (and the plot next to it as .png)."""
 
@@ -98,6 +104,8 @@ class ScalingCommand:
                 f"check_cpu {self.check_cpu}: needs 1 and 2 (calibration) and at least one "
                 "larger process count, e.g. 1,2,4"
             )
+        if not self.check_schemes or not set(self.check_schemes) <= {"sync", "async"}:
+            raise ValueError(f"check_schemes {self.check_schemes}: expected sync and/or async")
         for name in ("achieved_fraction_band", "jitter_band"):
             band = getattr(self, name)
             if len(band) != 2 or band[0] > band[1]:
@@ -170,7 +178,9 @@ def run_scaling(cfg: ScalingCommand) -> dict[str, Any]:
     reports, info = {}, None
     af = cfg.achieved_fraction
     if cfg.schedule:
-        reports, info = read_schedule(model_cfg, cfg.schedule, cfg.per_chip_batch)
+        reports, info = read_schedule(
+            model_cfg, cfg.schedule, cfg.per_chip_batch, dump_dir=cfg.schedule_dump or None
+        )
         sync = reports["sync"]
         small = sum(c.payload_bytes < 1 << 16 for c in sync.collectives)
         prog = info["programs"]["sync"]
@@ -241,7 +251,10 @@ def run_scaling(cfg: ScalingCommand) -> dict[str, Any]:
     }
     if cfg.check_cpu:
         check = check_cpu(
-            tuple(cfg.check_cpu), steps=cfg.check_steps, widths=tuple(cfg.check_widths)
+            tuple(cfg.check_cpu),
+            steps=cfg.check_steps,
+            widths=tuple(cfg.check_widths),
+            schemes=tuple(cfg.check_schemes),
         )
         out["cpu_check"] = check
         _print_check(check)
@@ -318,14 +331,21 @@ def _print_check(check: dict[str, Any]) -> None:
         f"{check['cores_busy_1_process']:.2f} cores busy per process, per-hop latency in the "
         f"step {1e3 * check['alpha_s']:.2f} ms (lone all-reduce: "
         f"{1e3 * check['alpha_lone_allreduce_s']:.2f} ms), {check['bandwidth_Bps'] / 1e9:.2f} "
-        f"GB/s):"
+        f"GB/s"
+        + (
+            f"; async exchange host cost {1e3 * check['exchange_host_s']:.2f} ms"
+            if check.get("exchange_host_s") is not None
+            else ""
+        )
+        + "):"
     )
     print(f"  load average {check['load_average'][0]:.1f} -> {check['load_average'][1]:.1f}")
     for label, key in (("median", "rows"), ("fastest", "rows_min")):
         for r in check[key]:
             load = r["load_average"]
             print(
-                f"  {label:>7} width {r['width']} {r['processes']} processes: measured "
+                f"  {label:>7} {r.get('scheme', 'sync'):>5} width {r['width']} {r['processes']} "
+                "processes: measured "
                 f"{1e3 * r['measured_s']:.1f} ms, predicted {1e3 * r['predicted_s']:.1f} ms "
                 f"({r['error']:+.0%}, {r['role']}, load {load if load is None else f'{load:.1f}'})"
             )
@@ -385,13 +405,13 @@ def plot_scaling(out: dict[str, Any], path: Path) -> None:
         ax.set_xticks(
             list(x),
             [
-                f"w{r['width']} {r['processes']}p\n"
+                f"{'a' if r.get('scheme') == 'async' else ''}w{r['width']} {r['processes']}p\n"
                 + ("fit" if r["role"] != "prediction" else f"{r['error']:+.0%}")
                 for r in rows
             ],
             fontsize=8,
         )
-        ax.set_ylabel("sync step, median (ms)")
+        ax.set_ylabel("step, median (ms; aw: async)")
         ax.set_title(f"CPU check: gloo processes on {check['cores']} cores")
         ax.legend()
     fig.tight_layout()

@@ -71,6 +71,7 @@ __all__ = [
     "StepCosts",
     "count_step_collectives",
     "expected_max_normal",
+    "group_split",
     "load_model_config",
     "measure_step_costs",
     "predict",
@@ -206,6 +207,16 @@ def predict_band(
     }
 
 
+def group_split(chips: int, g_share: float) -> tuple[int, int]:
+    """``(n_g, n_d)``: chips (or processes) of the async G and D groups along one axis, split in
+    proportion to their work; `g_share` is G's share of the step's FLOPs (its update and the
+    fakes for D). Each group gets at least one."""
+    if chips < 2:
+        raise ValueError(f"the async scheme needs at least 2 chips, got {chips}")
+    n_g = min(chips - 1, max(1, round(chips * g_share)))
+    return n_g, chips - n_g
+
+
 def expected_max_normal(n: int) -> float:
     """E[max of n standard normals] (Blom's approximation; 0 for n = 1)."""
     if n < 1:
@@ -255,7 +266,7 @@ def predict(
         if b >= 2:
             n_g = a * min(b - 1, max(1, round(b * share)))
         else:
-            n_g = min(chips - 1, max(1, round(chips * share)))
+            n_g = group_split(chips, share)[0]
         n_d = chips - n_g
         scale_g, scale_d = chips / n_g, chips / n_d
         t_g = _compute_seconds(

@@ -2,22 +2,28 @@
 fit never saw.
 
 `check_cpu` runs the real sync step data-parallel on 1, 2, 3, 4 processes (one CPU device each,
-gloo collectives, via `paragan_jax.distributed.launch`) for two model widths, then
-`fit_and_predict` fits on the first width at 1 and 2 processes only and predicts everything else:
+gloo collectives, via `paragan_jax.distributed.launch`) for several model widths, and the async
+scheme with a G group and a D group of processes (`paragan_jax.process_groups`: 2 processes are
+1 G + 1 D, 4 are 2 + 2, split by FLOPs with `paragan_jax.scaling.group_split`) at 2 processes
+and up. `paragan_jax.scaling_fit.fit_and_predict` then fits on 1 and 2 processes only and
+predicts everything else:
 
 - fitted on (width 0, 1 process): the step's achieved FLOP/s (XLA's FLOPs of the step over its
   median time), the cores one process keeps busy (CPU time per wall second) and the relative
-  spread of its step time;
+  spread of its step time; with three widths, (width 1, 1 process) separates a fixed per-step
+  cost from the FLOP rate;
 - fitted on (width 0, 2 processes): the per-hop latency of a collective inside the step (what
-  is left of the 2-process step after compute, bytes and jitter, per latency hop);
+  is left of the 2-process step after compute, bytes and jitter, per latency hop), and for the
+  async scheme the exchange's host cost (what is left of the 1 G + 1 D iteration);
 - measured apart: gloo's bandwidth from a bare all-reduce (`tapas_jax.collectives.fit_alpha_beta`)
-  and the collectives XLA compiled into each step
+  and the collectives XLA compiled into each program
   (`tapas_jax.collectives.compiled_collective_terms`);
-- predicted: 3 and 4 processes of width 0, and every process count of the other width (its
-  compute from its own FLOPs at the fitted FLOP/s). Each row carries the machine's load average
-  while it was measured.
+- predicted: 3 and 4 processes of both schemes, and every process count of the other widths
+  (their compute from their own FLOPs at the fitted rate). Each row carries the machine's load
+  average while it was measured.
 
 Each process runs `worker` (the internal command ``python -m paragan_jax scaling-worker``).
+The fit and the predictions are `paragan_jax.scaling_fit` (NumPy on the recorded measurements).
 """
 
 from __future__ import annotations
@@ -35,19 +41,20 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tapas_jax.collectives import compiled_collective_terms, fit_alpha_beta
 from tapas_jax.mesh import make_mesh
 from tapas_jax.verification import count_collectives
 
 from .distributed import initialize, launch
 from .loop import run_steps
-from .scaling import expected_max_normal, load_model_config, measure_step_costs
+from .process_groups import GroupAsyncRunner
+from .scaling import group_split, load_model_config, measure_step_costs
+from .scaling_fit import fit_and_predict
 from .steps import SyncRunner
 
 __all__ = [
     "CPU_CHECK_OVERRIDES",
+    "async_plan",
     "check_cpu",
-    "fit_and_predict",
     "main",
     "run_processes",
     "step_flops",
@@ -77,6 +84,52 @@ def _model(width: int, batch: int):
     )
 
 
+def pair_key(scheme: str, width: int, processes: int) -> str:
+    """The key of one measured pair: ``32:4`` (sync, width 32, 4 processes), ``async:32:4``."""
+    return f"{width}:{processes}" if scheme == "sync" else f"{scheme}:{width}:{processes}"
+
+
+def _build(scheme: str, w: int, n: int, n_g: int | None, devices, args):
+    """One pair's runner on the first `n` processes and its batches.
+
+    Returns:
+      ``(runner, batches)``: the runner and an endless iterator of this process's ``n_disc``
+      loader batches per step (none for an async G process).
+    """
+    pid, b = jax.process_index(), args.per_process_batch
+    cfg = _model(w, b * n)  # the global batch grows with the processes (weak scaling)
+    m = cfg.model
+    shape = (m.resolution, m.resolution, m.channels)
+    if scheme == "sync":
+        runner = SyncRunner(
+            cfg, make_mesh(f"data={n}", devices=devices[:n]), shape, local_batches=True
+        )
+        runner.compile()
+        local_batch = b
+    else:
+        runner = GroupAsyncRunner(cfg, devices[:n], n_g, shape)
+        local_batch = 0 if runner.is_g else b * n // (n - n_g)
+    rng = np.random.default_rng(pid)
+    images = rng.uniform(-1, 1, (cfg.n_disc, local_batch, *shape)).astype(np.float32)
+    labels = rng.integers(0, m.num_classes, (cfg.n_disc, local_batch)).astype(np.int32)
+    # This process's share of each D update's batch (the loop stacks them per step).
+    local = [{"image": images[i], "label": labels[i]} for i in range(cfg.n_disc)]
+    return runner, itertools.repeat(local if local_batch else [])
+
+
+def _programs(runner, n: int) -> dict[str, tuple[str, int]]:
+    """``{name: (compiled HLO text, devices)}`` of the programs this process ran: the sync step;
+    or its async group's step and each exchange compiled so far (``exchange``, and
+    ``exchange_snapshot`` when D's params rode along)."""
+    if isinstance(runner, SyncRunner):
+        return {"": (runner.compile().as_text(), n)}
+    side = ("g", runner.n_g) if runner.is_g else ("d", runner.n_d)
+    out = {side[0]: (runner.side.step.as_text(), side[1])}
+    for with_snapshot, compiled in runner.exchanges.items():
+        out["exchange_snapshot" if with_snapshot else "exchange"] = (compiled.as_text(), n)
+    return out
+
+
 def worker(argv: list[str]) -> int:
     """One process of the CPU check: all (width, process count) pairs in one runtime.
 
@@ -99,6 +152,11 @@ def worker(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--allreduce-sizes", default="4096,1048576,4194304")
+    ap.add_argument(
+        "--async-splits",
+        default="",
+        help="width:processes:G processes of each async pair to run, comma separated",
+    )
     args = ap.parse_args(argv)
     # Single-threaded Eigen kernels, so that a process keeps about one core busy; the check
     # measures how many it does (CPU time per wall second) rather than assuming it.
@@ -124,47 +182,43 @@ def worker(argv: list[str]) -> int:
     pid = args.process_id
     counts = [int(c) for c in args.counts.split(",")]
     widths = [int(w) for w in args.widths.split(",")]
-    pairs = [(w, n) for w in widths for n in counts]
+    splits = {}  # (width, processes) -> G processes of the async scheme
+    for item in filter(None, args.async_splits.split(",")):
+        w, n, n_g = (int(v) for v in item.split(":"))
+        splits[(w, n)] = n_g
+    pairs = [("sync", w, n) for w in widths for n in counts]
+    pairs += [("async", w, n) for w in widths for n in counts if (w, n) in splits]
     devices = sorted(jax.devices(), key=lambda d: d.process_index)
-    runs: dict[tuple[int, int], tuple[SyncRunner, list[dict[str, np.ndarray]]]] = {}
+    runs: dict[str, tuple[Any, Any]] = {}
     out: dict[str, Any] = {"counts": counts, "widths": widths, "collectives": {}}
-    for w, n in pairs:
-        key = f"{w}:{n}"
+    out["async_splits"] = {f"{w}:{n}": g for (w, n), g in splits.items()}
+    out["staleness"] = _model(widths[0], args.per_process_batch).async_.staleness
+    for scheme, w, n in pairs:
+        key = pair_key(scheme, w, n)
         if pid < n:
-            b = args.per_process_batch
-            cfg = _model(w, b * n)
-            mesh = make_mesh(f"data={n}", devices=devices[:n])
-            m = cfg.model
-            runner = SyncRunner(
-                cfg, mesh, (m.resolution, m.resolution, m.channels), local_batches=True
-            )
-            rng = np.random.default_rng(pid)
-            images = rng.uniform(-1, 1, (cfg.n_disc, b, m.resolution, m.resolution, m.channels))
-            labels = rng.integers(0, m.num_classes, (cfg.n_disc, b))
-            # This process's share of each D update's batch (the loop stacks them per step).
-            local = [
-                {"image": images[i].astype(np.float32), "label": labels[i].astype(np.int32)}
-                for i in range(cfg.n_disc)
-            ]
-            compiled = runner.compile()
-            if pid == 0:
-                c, moved = count_collectives(compiled.as_text(), n)
-                out["collectives"][key] = {"count": c, "moved_bytes": moved}
-            runs[(w, n)] = (runner, local)
+            runs[key] = _build(scheme, w, n, splits.get((w, n)), devices, args)
         barrier(f"compiled-{key}")
         if pid < n:
-            runner, local = runs[(w, n)]
-            run_steps(runner, itertools.repeat(local), 1)  # warm-up
+            runner, batches = runs[key]
+            run_steps(runner, batches, 1)  # warm-up (compiles an async exchange too)
+            if pid == 0 or (scheme == "async" and pid == splits[(w, n)]):
+                for name, (text, p) in _programs(runner, n).items():  # G's from 0, D's from n_g
+                    c, moved = count_collectives(text, p)
+                    out["collectives"][f"{key}:{name}" if name else key] = {
+                        "count": c,
+                        "moved_bytes": moved,
+                        "devices": p,
+                    }
         barrier(f"warm-{key}")
-    times: dict[str, list[float]] = {f"{w}:{n}": [] for w, n in pairs}
+    times: dict[str, list[float]] = {pair_key(*p): [] for p in pairs}
     cpu: dict[str, list[float]] = {k: [] for k in times}
     load: dict[str, list[float]] = {k: [] for k in times}
     for r in range(args.rounds):
-        for w, n in pairs:
-            key = f"{w}:{n}"
+        for scheme, w, n in pairs:
+            key = pair_key(scheme, w, n)
             if pid < n:
-                runner, local = runs[(w, n)]
-                stats = run_steps(runner, itertools.repeat(local), args.steps, block_each_step=True)
+                runner, batches = runs[key]
+                stats = run_steps(runner, batches, args.steps, block_each_step=True)
                 times[key] += stats.step_times
                 cpu[key] += stats.cpu_times
                 load[key].append(os.getloadavg()[0])
@@ -192,11 +246,21 @@ def worker(argv: list[str]) -> int:
     barrier("done")
     if pid == 0:
         print("RESULT " + json.dumps(out), flush=True)
+    elif out["collectives"]:  # the D group's programs, read by its first process
+        print("COLLECTIVES " + json.dumps(out["collectives"]), flush=True)
     return 0
 
 
-def run_processes(counts, widths, steps: int, rounds: int, batch: int) -> dict[str, Any]:
-    """Launches the worker processes and returns process 0's measurements."""
+def run_processes(
+    counts, widths, steps: int, rounds: int, batch: int, async_splits=None
+) -> dict[str, Any]:
+    """Launches the worker processes and returns their measurements (process 0's, with the
+    D group's compiled collectives read by its first process).
+
+    Args:
+      async_splits: ``{(width, processes): G processes}`` of the async pairs to run too.
+    """
+    splits = ",".join(f"{w}:{n}:{g}" for (w, n), g in (async_splits or {}).items())
     extra = [
         "--counts",
         ",".join(map(str, counts)),
@@ -208,18 +272,27 @@ def run_processes(counts, widths, steps: int, rounds: int, batch: int) -> dict[s
         str(rounds),
         "--per-process-batch",
         str(batch),
+        "--async-splits",
+        splits,
     ]
     results = launch(
         extra,
         num_processes=max(counts),
         devices_per_process=1,
-        timeout_s=1500,
+        timeout_s=2400,
         command="scaling-worker",
     )
+    out = None
     for line in results[0].stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise RuntimeError(f"process 0 printed no result:\n{results[0].stdout[-2000:]}")
+            out = json.loads(line[len("RESULT ") :])
+    if out is None:
+        raise RuntimeError(f"process 0 printed no result:\n{results[0].stdout[-2000:]}")
+    for r in results[1:]:
+        for line in r.stdout.splitlines():
+            if line.startswith("COLLECTIVES "):
+                out["collectives"].update(json.loads(line[len("COLLECTIVES ") :]))
+    return out
 
 
 def step_flops(widths, batch: int) -> dict[str, float]:
@@ -227,108 +300,37 @@ def step_flops(widths, batch: int) -> dict[str, float]:
     return {str(w): measure_step_costs(_model(w, batch), f"w{w}").sync_flops for w in widths}
 
 
-def fit_and_predict(res: dict[str, Any], flops: dict[str, float], cores: int) -> dict[str, Any]:
-    """Fits on (first width; 1 and 2 processes) and predicts every other measured pair.
-
-    With three or more widths, the second width's 1-process step is fitted too, so that a step's
-    time is ``fixed + FLOPs / rate`` (a per-step cost that does not grow with the model: op
-    dispatch and small kernels, which dominate small models on a CPU) rather than ``FLOPs /
-    rate`` alone; the remaining widths are then a model size the fit never saw. With two
-    widths the fixed part is zero.
-
-    Args:
-      res: the workers' measurements (`run_processes`).
-      flops: each width's step FLOPs per process (`step_flops`).
-      cores: the machine's cores.
+def async_plan(widths, counts, batch: int) -> tuple[dict[tuple[int, int], int], dict[str, Any]]:
+    """The async pairs of the check: each (width, processes >= 2) split into G and D groups by
+    their FLOPs (`group_split`), and XLA's FLOPs of each group's step per process.
 
     Returns:
-      ``rows`` (median steps) and ``rows_min`` (fastest steps, no jitter term), each row with its
-      role, measured and predicted seconds, error, terms and load average; and the fit.
+      ``(splits, flops)``: ``{(width, processes): G processes}`` and ``{"width:processes":
+      {"g": FLOPs, "d": FLOPs, "g_processes": n_g}}`` (G: its update and the fakes for D at
+      its share of the global batch; D: ``n_disc`` updates at its share).
     """
-    widths = [int(w) for w in res["widths"]]
-    counts = sorted(int(n) for n in res["counts"])
-    if counts[:2] != [1, 2] or len(counts) < 3:
-        raise ValueError(f"processes {counts}: need 1 and 2 (the fit) and a larger count")
-    w0 = widths[0]
-    alpha_lone, bw = fit_alpha_beta({int(k): v for k, v in res["allreduce_s"].items()}, 2)
-    base = np.array(res["step_times"][f"{w0}:1"])
-    util = float(np.median(np.array(res["cpu_times"][f"{w0}:1"]) / base))
-    q25, q75 = np.percentile(base, [25, 75])
+    cache: dict[tuple[int, int], Any] = {}
 
-    w1 = widths[1] if len(widths) >= 3 else None
-    fitted = {(w0, 1), (w0, 2)} | ({(w1, 1)} if w1 is not None else set())
+    def costs(w: int, b: int):
+        if (w, b) not in cache:
+            cache[(w, b)] = measure_step_costs(_model(w, b), f"w{w}")
+        return cache[(w, b)]
 
-    def rows_for(stat, with_jitter: bool):
-        t1 = float(stat(base))
-        fixed = 0.0
-        rate = flops[str(w0)] / t1  # achieved FLOP/s of one process
-        if w1 is not None:
-            t_w1 = float(stat(res["step_times"][f"{w1}:1"]))
-            df = flops[str(w1)] - flops[str(w0)]
-            if df != 0 and (t_w1 - t1) / df > 0:  # else no fixed part can be told apart
-                rate = df / (t_w1 - t1)
-                fixed = max(0.0, t1 - flops[str(w0)] / rate)
-                rate = flops[str(w0)] / (t1 - fixed)
-        jit_rel = float((q75 - q25) / 1.349 / np.median(base)) if with_jitter else 0.0
-        terms = {}
-        for w in widths:
-            for n in counts:
-                key = f"{w}:{n}"
-                coll = res["collectives"].get(key, {"count": {}, "moved_bytes": {}})
-                hops, sent = compiled_collective_terms(coll["count"], coll["moved_bytes"], n, n)
-                compute = (fixed + flops[str(w)] / rate) * max(1.0, n * util / cores)
-                jit = jit_rel * expected_max_normal(n) * compute
-                measured = float(stat(res["step_times"][key]))
-                terms[(w, n)] = (measured, compute, hops, sent, jit, coll)
-        m2, c2, h2, s2, j2, _ = terms[(w0, 2)]
-        alpha = max(1e-6, (m2 - c2 - s2 / bw - j2) / h2) if h2 else 1e-6
-        rows = []
-        for (w, n), (measured, compute, hops, sent, jit, coll) in terms.items():
-            comm = hops * alpha + sent / bw
-            pred = compute + comm + jit
-            role = "prediction"
-            if (w, n) in fitted:
-                role = {
-                    (w0, 1): "fits FLOP/s, cores, jitter",
-                    (w0, 2): "fits per-hop latency",
-                }.get((w, n), "fits fixed step cost")
-            loads = res.get("load_average", {}).get(f"{w}:{n}", [])
-            rows.append(
-                {
-                    "width": w,
-                    "processes": n,
-                    "role": role,
-                    "measured_s": measured,
-                    "predicted_s": pred,
-                    "error": pred / measured - 1.0,
-                    "compute_s": compute,
-                    "collectives_s": comm,
-                    "latency_hops": hops,
-                    "bytes_sent": sent,
-                    "jitter_s": jit,
-                    "load_average": float(np.mean(loads)) if loads else None,
-                    "collectives": coll["count"],
-                }
-            )
-        return rows, alpha, rate, fixed
-
-    rows, alpha, rate, fixed = rows_for(np.median, True)
-    # Best case (fastest step of each pair, no jitter term): least touched by other jobs.
-    rows_min, alpha_min, _, _ = rows_for(np.min, False)
-    return {
-        "rows": rows,
-        "rows_min": rows_min,
-        "fitted_width": w0,
-        "fixed_step_s": fixed,
-        "cores": cores,
-        "cores_busy_1_process": util,
-        "achieved_flops_per_s": rate,
-        "alpha_s": alpha,
-        "alpha_fastest_s": alpha_min,
-        "alpha_lone_allreduce_s": alpha_lone,
-        "bandwidth_Bps": bw,
-        "step_flops": flops,
-    }
+    splits, flops = {}, {}
+    for w in widths:
+        c = costs(w, batch)
+        share = c.g_side_flops / (c.g_side_flops + c.d_side_flops)
+        for n in counts:
+            if n < 2:
+                continue
+            n_g, n_d = group_split(n, share)
+            splits[(w, n)] = n_g
+            flops[f"{w}:{n}"] = {
+                "g": costs(w, batch * n // n_g).g_side_flops,
+                "d": costs(w, batch * n // n_d).d_side_flops,
+                "g_processes": n_g,
+            }
+    return splits, flops
 
 
 def check_cpu(
@@ -338,8 +340,11 @@ def check_cpu(
     batch: int = 16,
     widths=(16, 32, 48),
     cores: int | None = None,
+    schemes=("sync", "async"),
 ) -> dict[str, Any]:
-    """Measures the sync step at `processes` x `widths` and checks `fit_and_predict` on it.
+    """Measures the sync step at `processes` x `widths` (and, with ``async`` in `schemes`, the
+    async scheme at every count >= 2: `GroupAsyncRunner`) and checks
+    `paragan_jax.scaling_fit.fit_and_predict` on it.
 
     Returns:
       `fit_and_predict`'s result plus the raw measurements and the load average before and
@@ -351,10 +356,11 @@ def check_cpu(
             f"processes {processes}: need 1 and 2 (calibration) and at least one larger count"
         )
     cores = cores or os.cpu_count() or 1
+    splits, async_flops = async_plan(widths, processes, batch) if "async" in schemes else ({}, None)
     load_before = os.getloadavg()
-    res = run_processes(processes, tuple(widths), steps, rounds, batch)
+    res = run_processes(processes, tuple(widths), steps, rounds, batch, splits)
     load_after = os.getloadavg()
-    out = fit_and_predict(res, step_flops(widths, batch), cores)
+    out = fit_and_predict(res, step_flops(widths, batch), cores, async_flops)
     return {
         **out,
         "load_average": [load_before[0], load_after[0]],

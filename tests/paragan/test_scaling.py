@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from paragan_jax import scaling as S, scaling_check as C
+from paragan_jax import scaling as S, scaling_check as C, scaling_fit as F
 from paragan_jax.scale_cli import main as scale_main
 from tapas_jax.collectives import torus_allreduce_seconds
 from tapas_jax.config import ConfigError
@@ -80,7 +80,7 @@ def test_fit_on_one_and_two_processes_predicts_measurements_it_never_saw():
     predicted width 48 at 1 process +43% / +41% too slow: the step then is not proportional to
     its FLOPs (a fixed per-step cost that a fit on one width cannot separate)."""
     rec = json.loads(RECORDED.read_text())
-    fit = C.fit_and_predict(rec["measurements"], rec["step_flops"], rec["cores"])
+    fit = F.fit_and_predict(rec["measurements"], rec["step_flops"], rec["cores"])
     roles = {(r["width"], r["processes"]): r["role"] for r in fit["rows"]}
     fitted = {k for k, role in roles.items() if role != "prediction"}
     assert fitted == {(32, 1), (32, 2)}
@@ -99,7 +99,7 @@ def test_fit_on_one_and_two_processes_predicts_measurements_it_never_saw():
     # number, and moves the unseen rows' errors.
     shifted = json.loads(RECORDED.read_text())["measurements"]
     shifted["step_times"]["48:4"] = [2 * t for t in shifted["step_times"]["48:4"]]
-    refit = C.fit_and_predict(shifted, rec["step_flops"], rec["cores"])
+    refit = F.fit_and_predict(shifted, rec["step_flops"], rec["cores"])
     assert refit["alpha_s"] == fit["alpha_s"]
     assert refit["achieved_flops_per_s"] == fit["achieved_flops_per_s"]
     before = {(r["width"], r["processes"]): r["error"] for r in fit["rows"]}
@@ -107,7 +107,7 @@ def test_fit_on_one_and_two_processes_predicts_measurements_it_never_saw():
     assert after[(48, 4)] == pytest.approx((1 + before[(48, 4)]) / 2 - 1)
     assert after[(32, 4)] == before[(32, 4)]
     with pytest.raises(ValueError, match="need 1 and 2"):
-        C.fit_and_predict({**rec["measurements"], "counts": [1, 3, 4]}, rec["step_flops"], 2)
+        F.fit_and_predict({**rec["measurements"], "counts": [1, 3, 4]}, rec["step_flops"], 2)
 
 
 def test_band_spans_the_ranges_and_contains_the_expected_value():
@@ -203,9 +203,9 @@ def test_scaling_settings_come_from_a_preset_flags_and_overrides(tmp_path):
 
 @pytest.mark.slow
 def test_model_predicts_unseen_cpu_processes_and_width_within_25_percent():
-    """The check measured now: fit on widths 16 and 32 at 1 process and width 16 at 2, predict
-    3 and 4 processes and width 48 (a model size the fit never saw). Skips (saying the load)
-    when other jobs hold the cores."""
+    """The check measured now, both schemes: fit on widths 16 and 32 at 1 process and width 16
+    at 2 (sync; async 1 G + 1 D), predict 3 and 4 processes of both and width 48 (a model size
+    the fit never saw). Skips, saying the load, when other jobs hold the cores."""
     cores = os.cpu_count() or 1
     load = os.getloadavg()
     if load[0] > cores:
@@ -216,7 +216,8 @@ def test_model_predicts_unseen_cpu_processes_and_width_within_25_percent():
         )
     check = C.check_cpu((1, 2, 3, 4), steps=5, rounds=4, widths=(16, 32, 48))
     predictions = [r for r in check["rows"] if r["role"] == "prediction"]
-    assert len(predictions) == 9
+    assert len([r for r in predictions if r["scheme"] == "sync"]) == 9
+    assert len([r for r in predictions if r["scheme"] == "async"]) == 8
     for row in predictions:
         assert abs(row["error"]) <= 0.25, (row, check["load_average"])
 

@@ -1,0 +1,207 @@
+"""The fit of the scaling model's CPU check and its predictions (`paragan_jax.scaling_check`).
+
+`fit_and_predict` reads the workers' measurements (step times of each scheme, width and process
+count, the collectives XLA compiled into each program, a bare all-reduce at several sizes) and
+fits the model's terms on 1 and 2 processes only; every other pair is a prediction whose error
+is reported with the load average it was measured under. NumPy only: the recorded measurements
+in tests/paragan/data are fitted again without running anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tapas_jax.collectives import compiled_collective_terms, fit_alpha_beta
+
+from .scaling import expected_max_normal
+
+__all__ = ["fit_and_predict"]
+
+
+def fit_and_predict(
+    res: dict[str, Any],
+    flops: dict[str, float],
+    cores: int,
+    async_flops: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Fits on (first width; 1 and 2 processes) and predicts every other measured pair.
+
+    With three or more widths, the second width's 1-process step is fitted too, so that a step's
+    time is ``fixed + FLOPs / rate`` (a per-step cost that does not grow with the model: op
+    dispatch and small kernels, which dominate small models on a CPU) rather than ``FLOPs /
+    rate`` alone; the remaining widths are then a model size the fit never saw. With two
+    widths the fixed part is zero.
+
+    Async pairs (`paragan_jax.process_groups.GroupAsyncRunner`, measured when `res` has
+    ``async:width:n`` step times) are predicted from the same fit: each group's step is its
+    FLOPs at the fitted rate plus its own all-reduces at the fitted per-hop latency, the
+    iteration waits for the slower group, then pays the exchange (its compiled all-gather over
+    all processes). The first width at 2 processes (one G, one D) fits one more number, the
+    exchange's host cost (packing rows, placing arrays); 3 and 4 processes and the other widths
+    are predictions.
+
+    Args:
+      res: the workers' measurements (`paragan_jax.scaling_check.run_processes`).
+      flops: each width's step FLOPs per process (`paragan_jax.scaling_check.step_flops`).
+      cores: the machine's cores.
+      async_flops: each async pair's group FLOPs per process
+        (`paragan_jax.scaling_check.async_plan`).
+
+    Returns:
+      ``rows`` (median steps) and ``rows_min`` (fastest steps, no jitter term), each row with its
+      role, measured and predicted seconds, error, terms and load average; and the fit.
+    """
+    widths = [int(w) for w in res["widths"]]
+    counts = sorted(int(n) for n in res["counts"])
+    if counts[:2] != [1, 2] or len(counts) < 3:
+        raise ValueError(f"processes {counts}: need 1 and 2 (the fit) and a larger count")
+    w0 = widths[0]
+    alpha_lone, bw = fit_alpha_beta({int(k): v for k, v in res["allreduce_s"].items()}, 2)
+    base = np.array(res["step_times"][f"{w0}:1"])
+    util = float(np.median(np.array(res["cpu_times"][f"{w0}:1"]) / base))
+    q25, q75 = np.percentile(base, [25, 75])
+
+    w1 = widths[1] if len(widths) >= 3 else None
+    fitted = {(w0, 1), (w0, 2)} | ({(w1, 1)} if w1 is not None else set())
+
+    def rows_for(stat, with_jitter: bool):
+        t1 = float(stat(base))
+        fixed = 0.0
+        rate = flops[str(w0)] / t1  # achieved FLOP/s of one process
+        if w1 is not None:
+            t_w1 = float(stat(res["step_times"][f"{w1}:1"]))
+            df = flops[str(w1)] - flops[str(w0)]
+            if df != 0 and (t_w1 - t1) / df > 0:  # else no fixed part can be told apart
+                rate = df / (t_w1 - t1)
+                fixed = max(0.0, t1 - flops[str(w0)] / rate)
+                rate = flops[str(w0)] / (t1 - fixed)
+        jit_rel = float((q75 - q25) / 1.349 / np.median(base)) if with_jitter else 0.0
+        terms = {}
+        for w in widths:
+            for n in counts:
+                key = f"{w}:{n}"
+                coll = res["collectives"].get(key, {"count": {}, "moved_bytes": {}})
+                hops, sent = compiled_collective_terms(coll["count"], coll["moved_bytes"], n, n)
+                compute = (fixed + flops[str(w)] / rate) * max(1.0, n * util / cores)
+                jit = jit_rel * expected_max_normal(n) * compute
+                measured = float(stat(res["step_times"][key]))
+                terms[(w, n)] = (measured, compute, hops, sent, jit, coll)
+        m2, c2, h2, s2, j2, _ = terms[(w0, 2)]
+        alpha = max(1e-6, (m2 - c2 - s2 / bw - j2) / h2) if h2 else 1e-6
+        rows = []
+        for (w, n), (measured, compute, hops, sent, jit, coll) in terms.items():
+            comm = hops * alpha + sent / bw
+            pred = compute + comm + jit
+            role = "prediction"
+            if (w, n) in fitted:
+                role = {
+                    (w0, 1): "fits FLOP/s, cores, jitter",
+                    (w0, 2): "fits per-hop latency",
+                }.get((w, n), "fits fixed step cost")
+            loads = res.get("load_average", {}).get(f"{w}:{n}", [])
+            rows.append(
+                {
+                    "width": w,
+                    "processes": n,
+                    "role": role,
+                    "measured_s": measured,
+                    "predicted_s": pred,
+                    "error": pred / measured - 1.0,
+                    "compute_s": compute,
+                    "collectives_s": comm,
+                    "latency_hops": hops,
+                    "bytes_sent": sent,
+                    "jitter_s": jit,
+                    "load_average": float(np.mean(loads)) if loads else None,
+                    "collectives": coll["count"],
+                    "scheme": "sync",
+                }
+            )
+        fit = {"stat": stat, "rate": rate, "fixed": fixed, "jit_rel": jit_rel, "alpha": alpha}
+        host = None
+        if async_keys:
+            rows_a, host = _async_rows(res, async_flops, fit, util, cores, bw, w0)
+            rows += rows_a
+        return rows, alpha, rate, fixed, host
+
+    async_keys = [k for k in res["step_times"] if k.startswith("async:")]
+    if async_keys and not async_flops:
+        raise ValueError("async pairs were measured: need their group FLOPs (async_plan)")
+    rows, alpha, rate, fixed, host = rows_for(np.median, True)
+    # Best case (fastest step of each pair, no jitter term): least touched by other jobs.
+    rows_min, alpha_min, _, _, _ = rows_for(np.min, False)
+    return {
+        "exchange_host_s": host,
+        "async_flops": async_flops,
+        "rows": rows,
+        "rows_min": rows_min,
+        "fitted_width": w0,
+        "fixed_step_s": fixed,
+        "cores": cores,
+        "cores_busy_1_process": util,
+        "achieved_flops_per_s": rate,
+        "alpha_s": alpha,
+        "alpha_fastest_s": alpha_min,
+        "alpha_lone_allreduce_s": alpha_lone,
+        "bandwidth_Bps": bw,
+        "step_flops": flops,
+    }
+
+
+def _async_rows(res, async_flops, fit, util: float, cores: int, bw: float, w0: int):
+    """The async rows of `fit_and_predict` (see there) and the fitted exchange host cost."""
+    stat, alpha, k = fit["stat"], fit["alpha"], int(res.get("staleness", 1))
+    terms = {}
+    for key in (k_ for k_ in res["step_times"] if k_.startswith("async:")):
+        w, n = (int(v) for v in key.split(":")[1:])
+        af = async_flops[f"{w}:{n}"]
+        n_g = af["g_processes"]
+        crowd = max(1.0, n * util / cores)  # processes sharing the cores
+        t_g = (fit["fixed"] + af["g"] / fit["rate"]) * crowd
+        t_d = (fit["fixed"] + af["d"] / fit["rate"]) * crowd
+
+        def comm(name: str, p: int, key=key) -> float:
+            c = res["collectives"].get(f"{key}:{name}")
+            if c is None:
+                raise ValueError(f"no compiled collectives recorded for {key}:{name}")
+            hops, sent = compiled_collective_terms(c["count"], c["moved_bytes"], c["devices"], p)
+            return hops * alpha + sent / bw
+
+        side_g, side_d = t_g + comm("g", n_g), t_d + comm("d", n - n_g)
+        snap = comm("exchange_snapshot", n)  # D's params ride along every k iterations
+        exchange = snap if k == 1 else ((k - 1) * comm("exchange", n) + snap) / k
+        jit = fit["jit_rel"] * expected_max_normal(n) * max(t_g, t_d)
+        measured = float(stat(res["step_times"][key]))
+        slow = (side_g, t_g) if side_g >= side_d else (side_d, t_d)
+        terms[(w, n)] = (measured, slow, exchange, jit, t_g, t_d, n_g, key)
+    if (w0, 2) not in terms:
+        raise ValueError(f"async pairs need width {w0} at 2 processes (the exchange host fit)")
+    m2, slow2, x2, j2, *_ = terms[(w0, 2)]
+    host = max(0.0, m2 - slow2[0] - x2 - j2)
+    rows = []
+    for (w, n), (measured, slow, exchange, jit, t_g, t_d, n_g, key) in terms.items():
+        pred = slow[0] + exchange + jit + host
+        loads = res.get("load_average", {}).get(key, [])
+        rows.append(
+            {
+                "scheme": "async",
+                "width": w,
+                "processes": n,
+                "g_processes": n_g,
+                "role": "fits exchange host cost" if (w, n) == (w0, 2) else "prediction",
+                "measured_s": measured,
+                "predicted_s": pred,
+                "error": pred / measured - 1.0,
+                "compute_s": max(t_g, t_d),
+                "g_compute_s": t_g,
+                "d_compute_s": t_d,
+                "collectives_s": slow[0] - slow[1] + exchange,
+                "exchange_s": exchange,
+                "exchange_host_s": host,
+                "jitter_s": jit,
+                "load_average": float(np.mean(loads)) if loads else None,
+            }
+        )
+    return rows, host
