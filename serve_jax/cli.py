@@ -2,12 +2,15 @@
 
 * ``serve``: the OpenAI-style HTTP server on 127.0.0.1 (``--config``, ``--port``).
 * ``replay``: the engine on a workload offline (no HTTP); prints the metrics table, writes JSON.
-* ``bench``: with ``--url``, the load generator against a running server; with ``--micro
-  decode|offload|generate``, the step-time benchmarks of BENCHMARKS.md.
+* ``bench``: with ``--url``, the load generator against a running server (``vllm bench serve``'s
+  table and flat ``--save-result`` JSON, ``--max-concurrency``, ``--percentile-metrics``,
+  ``--metric-percentiles``); with ``--micro decode|offload|generate``, the step-time benchmarks
+  of BENCHMARKS.md.
 
 ``serve`` and ``replay`` run an engine config (`serve_jax.config.EngineConfig`): ``--config
 <preset or .yaml>`` plus trailing ``key=value`` overrides (``cache.num_device_blocks=64``,
-``scheduler.policy=predictive``; all listed by ``--help``). ``replay`` and ``bench`` pick their
+``scheduler.policy=predictive``; all listed by ``--help``); ``--kv-cache-memory-fraction F``
+sizes the device pages from memory (`serve_jax.sizing`). ``replay`` and ``bench`` pick their
 requests with the workload flags ``simulate`` has too (`serve_jax.cli_args`), and report the
 metrics of `serve_jax.metrics` (ms).
 """
