@@ -231,6 +231,8 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise RequestError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError(400, "request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise RequestError(400, "request body must be a JSON object")
     try:

@@ -146,6 +146,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"bogus": True}}, "stream_options.bogus"),
     ("/v1/completions", b"[1, 2]", None),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000, None),  # nested too deeply
     ("/v1/completions", b'{"prompt": "\xff\xfe"}', None),  # not UTF-8
     ("/v1/completions", {"prompt": "x", "seed": -3}, "seed"),
     ("/v1/completions", {"prompt": "x" * 500}, "prompt"),
