@@ -29,14 +29,21 @@ def batch_dims(
     gradient), convolutions, gathers and scatters. With a `folding`, copies after the
     representative take their labels from it instead of being propagated again.
     """
-    skip_to: dict[int, tuple[int, list[int], list[int]]] = {}
+    # First equation of the copies after a block's representative -> (the equation after the
+    # block, the copies' results, their representatives); results numbered consecutively are
+    # given as a slice.
+    skip_to: dict[int, tuple[int, list[int] | slice, list[int]]] = {}
     if folding is not None and folding.blocks:
         for b in folding.blocks:
             lo, hi = b.start + 2 * b.period, b.start + b.copies * b.period
             if hi > lo:
                 res_eq, res_var, _ = graph.result_arrays()
                 outs = res_var[np.searchsorted(res_eq, lo) : np.searchsorted(res_eq, hi)]
-                skip_to[lo] = (hi, outs.tolist(), folding.rep_var[outs].tolist())
+                reps = folding.rep_var[outs].tolist()
+                if outs.size and np.all(np.diff(outs) == 1):
+                    skip_to[lo] = (hi, slice(int(outs[0]), int(outs[-1]) + 1), reps)
+                else:
+                    skip_to[lo] = (hi, outs.tolist(), reps)
     bd: list[int | None] = [None] * graph.num_vars
     for v, batched in zip(graph.inputs, inputs_batched):
         if batched and graph.shapes[v] and graph.shapes[v][0] % size == 0:
@@ -48,8 +55,11 @@ def batch_dims(
     while i < n:
         if i in skip_to:  # copies after the representative take its labels
             hi, outs, reps = skip_to[i]
-            for o, r in zip(outs, reps):
-                bd[o] = bd[r]
+            if isinstance(outs, slice):
+                bd[outs] = map(bd.__getitem__, reps)
+            else:
+                for o, r in zip(outs, reps):
+                    bd[o] = bd[r]
             i = hi
             continue
         e = graph.eqns[i]

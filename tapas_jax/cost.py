@@ -353,8 +353,7 @@ def build_problem(
     def priced(strategies: list[Strategy], eqn) -> _Rule:
         price = np.array([costs.row(s) for s in strategies])
         outs = [
-            _table([s.out_specs[o] for s in strategies], interned)
-            for o in range(len(eqn.outvars))
+            _table([s.out_specs[o] for s in strategies], interned) for o in range(len(eqn.outvars))
         ]
         ins = [
             None if v is None else _table([s.in_specs[kk] for s in strategies], interned)

@@ -127,7 +127,7 @@ def local_hashes(graph: Graph) -> np.ndarray:
     for e in eqns:
         body = graph_hash(e.body) if e.body is not None else 0
         # A primitive binds its params in a fixed order, so no sorting is needed.
-        key = (e.prim, tuple(e.params.items()), body, e.weight)
+        key = (e.prim, tuple(e.params.items()) if e.params else (), body, e.weight)
         try:
             head.append(head_ids.setdefault(key, len(head_ids)))
         except TypeError:  # an array-valued param (constants)

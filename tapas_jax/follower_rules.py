@@ -349,9 +349,7 @@ def follower(eqn: Eqn, graph: Graph, k: int, axes: MeshAxes) -> Callable[[Spec],
             kept = tuple(None if local and d in red else a for d, a in enumerate(spec))
             out = tuple(a for d, a in enumerate(kept) if d not in red)
             per_device = out_bytes / shards(out)
-            comms = tuple(
-                ("all-reduce", kept[d], per_device) for d in red if kept[d] is not None
-            )
+            comms = tuple(("all-reduce", kept[d], per_device) for d in red if kept[d] is not None)
             return Strategy((out,), reqs(out, kept), comms, 0.0, op_bytes / shards(kept))
 
         return rule

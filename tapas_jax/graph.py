@@ -44,9 +44,9 @@ INLINED = {
 }
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Eqn:
-    """One equation of the flattened graph."""
+    """One equation of the flattened graph (slotted: the planner reads its fields per equation)."""
 
     prim: str
     params: dict[str, Any]

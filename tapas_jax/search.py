@@ -92,9 +92,11 @@ def eliminate(prob: Problem, price: float = 0.0, max_table: int = MAX_TABLE) -> 
             fscope, table = factors.pop(f)
             for y in fscope:
                 by_var[y].discard(f)
-            perm = sorted(range(len(fscope)), key=lambda a: where[fscope[a]])
+            pos = [where[y] for y in fscope]
+            if pos != sorted(pos):
+                table = table.transpose(sorted(range(len(fscope)), key=pos.__getitem__))
             bshape = [sizes[y] if y in fscope else 1 for y in scope]
-            total = total + table.transpose(perm).reshape(bshape)
+            total = total + table.reshape(bshape)
         arg = np.argmin(total, axis=0)
         add(tuple(nb), np.min(total, axis=0))
         trace.append((x, tuple(nb), arg))
