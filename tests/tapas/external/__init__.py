@@ -1,0 +1,1 @@
+"""Transformer implementations from outside this repository, vendored for planning tests."""
