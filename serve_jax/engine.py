@@ -11,7 +11,8 @@
 `Engine` is `serve_jax.core.EngineCore` (the one ``schedule -> execute -> update_from_output``
 loop, shared with the simulator) plus a tokenizer, a detokenizer and text: `Engine.step` runs one
 core step, then turns each request's new ids into text incrementally (one decode step per token,
-`serve_jax.tokenizer.Tokenizer.decoder`), applies stop strings, and returns what is new. A
+`serve_jax.tokenizer.Tokenizer.decoder`), applies stop strings, and returns what is new
+(`serve_jax.request_output`). A
 request stops at any of the tokenizer's EOS ids (unless ``ignore_eos``) or its
 ``stop_token_ids``; that token is not text. Stop strings and stop ids count only from
 ``min_tokens`` output tokens on (the sampler bans the stop ids before that).
@@ -22,6 +23,7 @@ its prompt is computed, so they find the prompt's full pages in the prefix cache
 (`serve_jax.kv_blocks`) and share them (reference counts) instead of computing a copy; only the
 prompt's last, partial page is computed per sample. Their outputs carry the request's id and
 the sample's ``index``.
+
 The model is a preset with random or own-format weights, or a Hugging Face checkpoint
 (``model.path``: `serve_jax.hf_config`, `serve_jax.hf_checkpoint`). The
 executor is the JAX one (`serve_jax.executor.JaxExecutor`, built from the config) unless one is
@@ -44,10 +46,10 @@ from serve_jax.core import EngineCore, StepOutput
 from serve_jax.executor import JaxExecutor
 from serve_jax.hf_checkpoint import load_hf_model
 from serve_jax.hf_config import hf_model_config, resolve_model_dir
-from serve_jax.interface import TokenLogprobs
 from serve_jax.model import init_model, load_safetensors
 from serve_jax.model_config import ModelConfig, get_model_config
 from serve_jax.preemption import get_policy
+from serve_jax.request_output import RequestMetrics, RequestOutput, SampleState
 from serve_jax.sampling import SamplingParams, SequenceSampling
 from serve_jax.scheduler import (
     CostHints,
@@ -60,58 +62,13 @@ from serve_jax.scheduler import (
     VictimPolicy,
 )
 from serve_jax.sizing import size_kv_cache
-from serve_jax.tokenizer import IncrementalDecoder, load_tokenizer
+from serve_jax.tokenizer import load_tokenizer
 from tapas_jax.hardware import profile_for_device
 from tapas_jax.mesh import make_mesh
 
 __all__ = ["Engine", "RequestOutput", "RequestMetrics", "resolve_policy", "MeasuredCostHints"]
-
-_FINISH_REASON = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestMetrics:
-    """Timestamps of one request (engine clock, seconds)."""
-
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    token_times: tuple[float, ...]
-    finish_time: float | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_preemptions: int
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestOutput:
-    """The state of one request after a step."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    """All output token ids so far."""
-    text: str
-    """All output text so far (stop string removed)."""
-    new_token_ids: tuple[int, ...]
-    new_text: str
-    """Text added since the last output of this request."""
-    finished: bool
-    finish_reason: str | None
-    """``stop``, ``length`` or ``abort`` once finished."""
-    metrics: RequestMetrics
-    index: int = 0
-    """Which of the request's ``n`` samples this is."""
-    logprobs: tuple[TokenLogprobs, ...] | None = None
-    """Per output token (when the request asked for logprobs)."""
-    new_logprobs: tuple[TokenLogprobs, ...] | None = None
-    """Those of ``new_token_ids``."""
-    request_finished: bool = True
-    """Whether every sample of the request has finished (this output is the request's last)."""
+# RequestOutput and RequestMetrics live in serve_jax.request_output; they are re-exported here,
+# where callers of `Engine.step` look for them.
 
 
 class MeasuredCostHints(CostHints):
@@ -164,23 +121,6 @@ def resolve_policy(name: str, mode: str = "recompute") -> VictimPolicy:
     if name == "fcfs_last":
         return FcfsLastPolicy(preempt_mode)
     return get_policy(name)
-
-
-@dataclasses.dataclass
-class _Tracked:
-    request: Request
-    params: SamplingParams
-    decoder: IncrementalDecoder
-    parent: str
-    """The id the caller knows (the request's; samples of ``n > 1`` have their own ids)."""
-    index: int = 0
-    logprobs: list[TokenLogprobs] | None = None
-    text: str = ""
-    """Decoded output text (cut at a stop string once one is found)."""
-    decoded: int = 0
-    """Output tokens fed to the decoder."""
-    sent_text: int = 0
-    sent_tokens: int = 0
 
 
 def _serving_dtype(dtype: str) -> str:
@@ -292,7 +232,7 @@ class Engine:
         self.scheduler = scheduler
         self.executor = executor
         self.clock = clock
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, SampleState] = {}
         self._samples: dict[str, list[str]] = {}
         """Scheduler ids of each caller-visible request's samples (unfinished ones)."""
         self._held: dict[str, list[Request]] = {}
@@ -374,7 +314,7 @@ class Engine:
         for i, req in enumerate(samples):
             logprobs = [] if params.logprobs is not None else None
             decoder = self.tokenizer.decoder(ids)
-            self._tracked[req.request_id] = _Tracked(
+            self._tracked[req.request_id] = SampleState(
                 req, req.sampling.params, decoder, rid, i, logprobs
             )
         return rid
@@ -430,69 +370,25 @@ class Engine:
                 if held.request_id in self._tracked:
                     self.scheduler.add_request(held)
 
-    def _output(self, tracked: _Tracked) -> RequestOutput:
-        req = tracked.request
-        ids = req.output_token_ids
+    def _output(self, sample: SampleState) -> RequestOutput:
+        req = sample.request
         finished = req.status.finished
-        status = req.status
-        end = len(ids)
-        if status == RequestStatus.FINISHED_STOPPED and ids and ids[-1] in req.stop_token_ids:
-            end -= 1  # the EOS ends the text; it is not part of it
-        old_len = len(tracked.text)
-        if tracked.decoded < end:
-            step = tracked.decoder.step
-            tracked.text += "".join(step(t) for t in ids[tracked.decoded : end])
-            tracked.decoded = end
-        if finished:
-            tracked.text += tracked.decoder.flush()
-        stops = tracked.params.stop
-        longest = max(map(len, stops)) if stops else 0
-        if stops and len(ids) >= tracked.params.min_tokens:
-            # Only text that is new (plus what a stop string straddling it needs) is searched.
-            start = max(0, old_len - longest + 1)
-            hits = [h for h in (tracked.text.find(s, start) for s in stops) if h >= 0]
-            if hits:
-                tracked.text = tracked.text[: min(hits)]
-                if not finished:
-                    self.scheduler.finish_request(
-                        req.request_id, RequestStatus.FINISHED_STOPPED, self.clock()
-                    )
-                    finished, status = True, RequestStatus.FINISHED_STOPPED
-        # Hold back what may be the start of a stop string until the next tokens decide it.
-        stable = len(tracked.text)
-        if stops and not finished:
-            stable = max(tracked.sent_text, stable - longest + 1)
-        new_text = tracked.text[tracked.sent_text : stable]
-        tracked.sent_text = stable
-        new_ids = tuple(ids[tracked.sent_tokens :])
-        lps = tracked.logprobs
-        new_lps = tuple(lps[tracked.sent_tokens :]) if lps is not None else None
-        tracked.sent_tokens = len(ids)
+        if sample.advance_text(finished) and not finished:  # a stop string ended it
+            self.scheduler.finish_request(
+                req.request_id, RequestStatus.FINISHED_STOPPED, self.clock()
+            )
+            finished = True
         last = True
         if finished:
             self._tracked.pop(req.request_id, None)
-            samples = self._samples.get(tracked.parent, [])
+            samples = self._samples.get(sample.parent, [])
             if req.request_id in samples:
                 samples.remove(req.request_id)
             last = not samples
             if last:
-                self._samples.pop(tracked.parent, None)
-                self._held.pop(tracked.parent, None)
-        return RequestOutput(
-            request_id=tracked.parent,
-            prompt_token_ids=tuple(req.prompt_token_ids),
-            token_ids=tuple(ids),
-            text=tracked.text[:stable],
-            new_token_ids=new_ids,
-            new_text=new_text,
-            finished=finished,
-            finish_reason=_FINISH_REASON.get(status) if finished else None,
-            metrics=request_metrics(req),
-            index=tracked.index,
-            logprobs=tuple(lps) if lps is not None else None,
-            new_logprobs=new_lps,
-            request_finished=finished and last,
-        )
+                self._samples.pop(sample.parent, None)
+                self._held.pop(sample.parent, None)
+        return sample.emit(finished, last)
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
@@ -532,17 +428,3 @@ def _make_mesh(spec: str | None):
     if n > jax.device_count():
         raise ValueError(f"executor.mesh {spec!r} needs {n} devices, {jax.device_count()} seen")
     return make_mesh(spec, devices=jax.devices()[:n])
-
-
-def request_metrics(req: Request) -> RequestMetrics:
-    """Timestamps of a scheduler `Request`."""
-    return RequestMetrics(
-        arrival_time=req.arrival_time,
-        first_scheduled_time=req.first_scheduled_time,
-        first_token_time=req.first_token_time,
-        token_times=tuple(req.token_times),
-        finish_time=req.finish_time,
-        num_prompt_tokens=req.num_prompt_tokens,
-        num_output_tokens=req.num_output_tokens,
-        num_preemptions=req.num_preemptions,
-    )

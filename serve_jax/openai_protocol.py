@@ -24,8 +24,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from serve_jax.config import ServerSection
-from serve_jax.engine import RequestOutput
 from serve_jax.interface import TokenLogprobs
+from serve_jax.request_output import RequestOutput
 from serve_jax.sampling import MAX_LOGPROBS, SamplingParams
 
 __all__ = [

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from serve_jax.config import EngineConfig
-from serve_jax.engine import Engine, RequestOutput
+from serve_jax.engine import Engine
 from serve_jax.openai_protocol import (
     ChatRequest,
     CompletionRequest,
@@ -48,6 +48,7 @@ from serve_jax.openai_protocol import (
     sampling_params,
 )
 from serve_jax.prom_metrics import CONTENT_TYPE_LATEST, ServeMetrics
+from serve_jax.request_output import RequestOutput
 from serve_jax.sampling import SamplingParams
 
 __all__ = ["BodyLimit", "EngineLoop", "build_app", "run_server"]
