@@ -36,12 +36,17 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from serve_jax.block_pool import BlockAccountingError, BlockPool
+
 if TYPE_CHECKING:
     from serve_jax.interface import Request
+
+_DEMOTING = "<demoting>"
+_PROMOTING = "<promoting>"
+"""Owners of a host block for the moment of pinning it (a demotion or a promotion copy)."""
 
 __all__ = [
     "BlockPool",
@@ -52,10 +57,6 @@ __all__ = [
     "builtin_block_hash",
     "BLOCK_HASHES",
 ]
-
-
-class BlockAccountingError(RuntimeError):
-    """An operation that would break the block invariants (double free, over-allocation, ...)."""
 
 
 def hash_block_tokens(
@@ -92,207 +93,6 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class BlockPool:
-    """A fixed set of reference-counted blocks with an LRU free queue and in-flight copies.
-
-    With prefix caching, a full block may be registered under its content hash
-    (`hash_block_tokens`): it stays findable while it is owned and after it is freed, until
-    `allocate` takes it from the front of the free queue (least recently freed first) and
-    evicts it. A cached block found again is *touched*: its reference count goes up and it
-    leaves the free queue.
-
-    Args:
-      num_blocks: number of blocks in the pool (may be 0 for an absent host tier).
-      name: ``"device"`` or ``"host"``; used in error messages.
-    """
-
-    def __init__(self, num_blocks: int, name: str):
-        if num_blocks < 0:
-            raise ValueError(f"{name} pool: num_blocks must be >= 0, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.name = name
-        # Insertion-ordered: the front is the next block to allocate (and evict).
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._refs: dict[int, int] = {}
-        # block -> number of copies in flight touching it
-        self._pins: dict[int, int] = {}
-        # blocks freed by their last owner while pinned: returned to the free queue on last unpin
-        self._released_when_unpinned: set[int] = set()
-        self._hash_of: dict[int, Hashable] = {}
-        # hash -> blocks holding that prefix (a restored or recomputed copy may duplicate one)
-        self._blocks_of: dict[Hashable, dict[int, None]] = {}
-
-    @property
-    def num_free(self) -> int:
-        """Blocks that can be allocated now (cached free blocks included)."""
-        return len(self._free)
-
-    @property
-    def num_in_flight(self) -> int:
-        """Blocks with no owner that return to the free queue when their copies complete."""
-        return len(self._released_when_unpinned)
-
-    @property
-    def num_cached(self) -> int:
-        """Blocks registered under a content hash (owned or free)."""
-        return len(self._hash_of)
-
-    def is_pinned(self, block: int) -> bool:
-        """Whether a copy from or to ``block`` is in flight."""
-        return self._pins.get(block, 0) > 0
-
-    def ref_count(self, block: int) -> int:
-        """How many request tables hold ``block``."""
-        return self._refs.get(block, 0)
-
-    def allocate(self, request_id: str, n: int) -> list[int]:
-        """Takes ``n`` blocks from the front of the free queue for ``request_id``."""
-        free = self._free
-        if n > len(free):
-            raise BlockAccountingError(
-                f"{self.name} pool: asked for {n} blocks for {request_id!r}, only "
-                f"{len(free)} free"
-            )
-        out = []
-        refs, hash_of = self._refs, self._hash_of
-        for _ in range(n):
-            b = free.popitem(last=False)[0]
-            if hash_of:
-                h = hash_of.pop(b, None)
-                if h is not None:  # evicted from the prefix cache
-                    copies = self._blocks_of[h]
-                    del copies[b]
-                    if not copies:
-                        del self._blocks_of[h]
-            refs[b] = 1
-            out.append(b)
-        return out
-
-    def touch(self, blocks: Iterable[int]) -> None:
-        """Adds a reference to cached ``blocks`` (a prefix-cache hit); free ones leave the queue."""
-        refs = self._refs
-        for b in blocks:
-            count = refs.get(b, 0)
-            if count == 0:
-                if b in self._free:
-                    del self._free[b]
-                elif b in self._released_when_unpinned:
-                    self._released_when_unpinned.discard(b)  # its copy still runs; now owned
-                else:
-                    raise BlockAccountingError(f"{self.name} pool: touching unknown block {b}")
-            refs[b] = count + 1
-
-    def free(self, request_id: str, blocks: Iterable[int]) -> None:
-        """Drops ``request_id``'s reference to ``blocks``; a block nobody holds returns to the
-        back of the free queue (pinned ones when their copies end)."""
-        refs = self._refs
-        for b in blocks:
-            count = refs.get(b, 0)
-            if count <= 0:
-                raise BlockAccountingError(
-                    f"{self.name} pool: {request_id!r} frees block {b}, which nobody holds"
-                )
-            if count > 1:
-                refs[b] = count - 1
-                continue
-            del refs[b]
-            if self._pins.get(b, 0) > 0:
-                self._released_when_unpinned.add(b)
-            else:
-                self._free[b] = None
-
-    def pin(self, blocks: Iterable[int]) -> None:
-        """Marks a copy from or to ``blocks`` as in flight."""
-        for b in blocks:
-            if self._refs.get(b, 0) <= 0:
-                raise BlockAccountingError(f"{self.name} pool: pinning unowned block {b}")
-            self._pins[b] = self._pins.get(b, 0) + 1
-
-    def unpin(self, blocks: Iterable[int]) -> None:
-        """Marks a copy as complete; a block freed meanwhile returns to the free queue."""
-        for b in blocks:
-            count = self._pins.get(b, 0)
-            if count <= 0:
-                raise BlockAccountingError(f"{self.name} pool: unpinning block {b} not in flight")
-            if count == 1:
-                del self._pins[b]
-                if b in self._released_when_unpinned:
-                    self._released_when_unpinned.discard(b)
-                    self._free[b] = None
-            else:
-                self._pins[b] = count - 1
-
-    # ---- prefix cache --------------------------------------------------------------------
-    def is_cached(self, block: int) -> bool:
-        """Whether ``block`` is registered in the prefix cache (its content must be kept)."""
-        return block in self._hash_of
-
-    def cached_block(self, block_hash: Hashable) -> int | None:
-        """A block registered under ``block_hash`` (the first registered), or None."""
-        copies = self._blocks_of.get(block_hash)
-        return next(iter(copies)) if copies else None
-
-    def register(self, block: int, block_hash: Hashable) -> None:
-        """Registers the full, computed ``block`` under ``block_hash`` (a block keeps its first
-        hash; several blocks may hold one prefix, each findable until evicted)."""
-        if block in self._hash_of:
-            return
-        if self._refs.get(block, 0) <= 0:
-            raise BlockAccountingError(f"{self.name} pool: registering unowned block {block}")
-        self._blocks_of.setdefault(block_hash, {})[block] = None
-        self._hash_of[block] = block_hash
-
-    def register_many(self, blocks: Sequence[int], hashes: Sequence[Hashable]) -> None:
-        """`register` of each block with its hash (the hot path of `KVBlockManager`)."""
-        hash_of, blocks_of, refs = self._hash_of, self._blocks_of, self._refs
-        for block, block_hash in zip(blocks, hashes):
-            if block in hash_of:
-                continue
-            if refs.get(block, 0) <= 0:
-                raise BlockAccountingError(f"{self.name} pool: registering unowned block {block}")
-            copies = blocks_of.get(block_hash)
-            if copies is None:
-                blocks_of[block_hash] = {block: None}
-            else:
-                copies[block] = None
-            hash_of[block] = block_hash
-
-    def check(self, tables: dict[str, list[int]]) -> None:
-        """Checks this pool's invariants against the per-request ``tables``."""
-        held: dict[int, int] = {}
-        for rid, table in tables.items():
-            if len(set(table)) != len(table):
-                raise BlockAccountingError(f"{self.name} pool: {rid!r} lists a block twice")
-            for b in table:
-                if not 0 <= b < self.num_blocks:
-                    raise BlockAccountingError(f"{self.name} pool: {rid!r} holds bad block {b}")
-                held[b] = held.get(b, 0) + 1
-        if held != self._refs:
-            raise BlockAccountingError(
-                f"{self.name} pool: reference counts do not match the request tables"
-            )
-        free_set = set(self._free)
-        if free_set & set(held) or free_set & self._released_when_unpinned:
-            raise BlockAccountingError(f"{self.name} pool: a free block is also owned/in flight")
-        if set(held) & self._released_when_unpinned:
-            raise BlockAccountingError(f"{self.name} pool: an owned block is also released")
-        for b in self._released_when_unpinned:
-            if self._pins.get(b, 0) <= 0:
-                raise BlockAccountingError(f"{self.name} pool: released block {b} not pinned")
-        for b, h in self._hash_of.items():
-            if b not in self._blocks_of.get(h, ()):
-                raise BlockAccountingError(f"{self.name} pool: cache maps of block {b} disagree")
-        if sum(len(c) for c in self._blocks_of.values()) != len(self._hash_of):
-            raise BlockAccountingError(f"{self.name} pool: cache maps differ in size")
-        total = len(free_set) + len(held) + len(self._released_when_unpinned)
-        if total != self.num_blocks:
-            raise BlockAccountingError(
-                f"{self.name} pool: {self.num_blocks - total} blocks leaked "
-                f"(free {len(free_set)}, owned {len(held)}, "
-                f"in flight {len(self._released_when_unpinned)})"
-            )
-
-
 class KVBlockManager:
     """Per-request device and host block tables over two `BlockPool` s, with prefix caching.
 
@@ -304,6 +104,10 @@ class KVBlockManager:
         docstring); off, every admission computes its whole context.
       block_hash: the key function of full blocks, a name of `BLOCK_HASHES` (``blake2b``, the
         default, or ``builtin``, the simulator's cheaper one).
+      host_caching: the host pool as a second cache level (see the module docstring): cached
+        device blocks freed by their last holder are demoted to host blocks, and an admission
+        whose prefix continues in the host cache promotes those blocks instead of computing
+        them. Needs prefix caching and a host pool.
     """
 
     def __init__(
@@ -313,6 +117,7 @@ class KVBlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         block_hash: str = "blake2b",
+        host_caching: bool = False,
     ):
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
@@ -335,6 +140,13 @@ class KVBlockManager:
         self.restore_hit_blocks = 0
         """Blocks of offloaded requests found cached on the device at their restore (not
         copied back from the host)."""
+        self.host_caching = host_caching
+        """Demote freed cached device blocks to the host pool and promote them back."""
+        self.host_hits = 0
+        """Of ``prefix_hits``, tokens found in the host cache (promoted, not computed)."""
+        self.demoted_blocks = 0
+        """Cached device blocks copied to the host cache when freed."""
+        self._demotions: list[tuple[int, int]] = []
 
     # ---- queries -------------------------------------------------------------------------
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -400,25 +212,100 @@ class KVBlockManager:
             out.append(b)
         return out
 
+    def lookup_host(self, req: Request, start: int, max_tokens: int | None = None) -> list[int]:
+        """Host blocks holding ``req``'s prefix blocks ``start, start + 1, ...`` (after the
+        ``start`` blocks `lookup_prefix` found on the device), up to ``max_tokens`` tokens as
+        there; empty unless host caching is on. Blocks whose copy is still in flight are not
+        used."""
+        if not (self.host_caching and self.enable_prefix_caching):
+            return []
+        if self.device_tables.get(req.request_id):
+            return []
+        if max_tokens is None:
+            max_tokens = req.num_tokens - 1
+        n = max_tokens // self.block_size
+        if n <= start:
+            return []
+        host = self.host
+        out = []
+        for h in self.block_hashes(req, n)[start:]:
+            b = host.cached_block(h)
+            if b is None or host.is_pinned(b):
+                break
+            out.append(b)
+        return out
+
     def num_free_among(self, blocks: Iterable[int]) -> int:
         """How many of ``blocks`` sit in the free queue (a hit on them uses up a free block)."""
         free = self.device._free
         return sum(1 for b in blocks if b in free)
 
-    def take_prefix(self, req: Request, blocks: list[int]) -> None:
-        """Starts ``req``'s device table with the cached ``blocks`` (from `lookup_prefix`) and
-        counts the lookup in the hit-rate statistics."""
+    def take_prefix(
+        self, req: Request, blocks: list[int], host_blocks: Sequence[int] = ()
+    ) -> list[tuple[int, int]]:
+        """Starts ``req``'s device table with the cached ``blocks`` (from `lookup_prefix`),
+        then one fresh device block per host block of ``host_blocks`` (from `lookup_host`),
+        registered under the same key and filled by a copy; counts the lookup in the hit-rate
+        statistics.
+
+        Returns:
+          (host block, device block) pairs to copy before the step's compute (promotions); the
+          blocks stay in flight until `complete_restore` is called for each pair.
+        """
+        bs = self.block_size
         if self.enable_prefix_caching:
             self.prefix_queries += req.num_tokens
-            self.prefix_hits += len(blocks) * self.block_size
-        if not blocks:
-            return
+            self.prefix_hits += (len(blocks) + len(host_blocks)) * bs
+            self.host_hits += len(host_blocks) * bs
+        if not blocks and not host_blocks:
+            return []
         rid = req.request_id
         if self.device_tables.get(rid):
             raise BlockAccountingError(f"{rid!r} takes a cached prefix while holding blocks")
         self.device.touch(blocks)
-        self.device_tables[rid] = list(blocks)
-        self._num_registered[rid] = len(blocks)
+        table = list(blocks)
+        pairs: list[tuple[int, int]] = []
+        if host_blocks:
+            hashes = self.block_hashes(req, len(blocks) + len(host_blocks))[len(blocks) :]
+            dev = self.device.allocate(rid, len(host_blocks))
+            self.device.register_many(dev, hashes)
+            self.device.pin(dev)
+            # The host copies stay cached (and move to the back of the host LRU queue).
+            self.host.touch(host_blocks)
+            self.host.pin(host_blocks)
+            self.host.free(_PROMOTING, host_blocks)
+            table += dev
+            pairs = list(zip(host_blocks, dev))
+        self.device_tables[rid] = table
+        self._num_registered[rid] = len(table)
+        return pairs
+
+    def take_demotions(self) -> list[tuple[int, int]]:
+        """(device, host) copies of cached blocks demoted since the last call (the scheduler
+        issues them with its next step's offloads)."""
+        out, self._demotions = self._demotions, []
+        return out
+
+    def _demote(self, blocks: Sequence[int]) -> None:
+        """Copies each of ``blocks`` that its holder is about to free for the last time, that is
+        cached and that the host cache lacks, to a host block (evicting the host's least
+        recently used cached block); both stay in flight until the copy completes."""
+        device, host = self.device, self.host
+        for d in blocks:
+            if device.ref_count(d) != 1 or device.is_pinned(d):
+                continue
+            h = device.hash_of(d)
+            if h is None or host.cached_block(h) is not None:
+                continue
+            if not host.num_free:
+                return
+            (hb,) = host.allocate(_DEMOTING, 1)
+            host.register(hb, h)
+            host.pin([hb])
+            host.free(_DEMOTING, [hb])
+            device.pin([d])
+            self._demotions.append((d, hb))
+            self.demoted_blocks += 1
 
     def cache_computed(self, req: Request) -> None:
         """Registers ``req``'s full device blocks whose KV is computed (after each step)."""
@@ -450,7 +337,10 @@ class KVBlockManager:
         """
         table = self.device_tables.pop(request_id, [])
         self._num_registered.pop(request_id, None)
-        self.device.free(request_id, reversed(table))
+        order = table[::-1]
+        if self.host_caching and self.enable_prefix_caching:
+            self._demote(order)
+        self.device.free(request_id, order)
         return table
 
     def free(self, request_id: str) -> None:
@@ -476,9 +366,13 @@ class KVBlockManager:
         if request_id in self.host_tables:
             raise BlockAccountingError(f"{request_id!r} is already offloaded")
         table = self.device_tables.pop(request_id, [])
-        self._num_registered.pop(request_id, None)
+        registered = self._num_registered.pop(request_id, 0)
         host = self.host.allocate(request_id, len(table))
         self.host_tables[request_id] = host
+        if self.host_caching and registered:
+            # The victim's full blocks become findable in the host cache too (and stay cached
+            # there after its restore frees them).
+            self.host.register_many(host[:registered], self._hashes[request_id][:registered])
         self.device.pin(table)
         self.host.pin(host)
         self.device.free(request_id, table)

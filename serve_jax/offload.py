@@ -14,6 +14,9 @@ donates the pools.
 Each offload becomes one host "chunk" (K and V: per-layer arrays [n, KV, bs, D] in host memory);
 ``_where`` maps a host block id to (chunk, index). The host block accounting (how many host
 blocks exist, which are free) is the scheduler's `KVBlockManager`; this class stores the data.
+A restore leaves the page where it is: with host-tier prefix caching the host block stays
+cached and may be promoted again, until a later offload reuses the block (a chunk is freed
+when none of its pages is mapped any more).
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ class HostKVTier:
         for h, d in pairs:
             if h not in self._where:
                 raise KeyError(f"host block {h} holds no offloaded page")
-            chunk, i = self._where.pop(h)
+            chunk, i = self._where[h]  # kept: a host-cached page may be promoted again
             entry = by_chunk.setdefault(id(chunk), (chunk, [], []))
             entry[1].append(i)
             entry[2].append(d)

@@ -32,7 +32,10 @@ under the JAX engine and the simulator alike)::
    device blocks for their first chunk; admission never preempts. With prefix caching (on by
    default) an admitted request starts from the longest prefix of its tokens whose full blocks
    are cached (`serve_jax.kv_blocks`): those blocks are shared and their tokens count as
-   computed, so only the rest is prefilled.
+   computed, so only the rest is prefilled. With the host cache level on
+   (``host_prefix_caching``) the prefix continues into blocks cached in the host pool, copied
+   back (``SchedulerOutput.restores``) instead of computed; cached device blocks freed by their
+   last holder are demoted there (``SchedulerOutput.offloads``).
 
 The same rules hold for every policy:
 
@@ -122,6 +125,10 @@ class Scheduler:
       enable_prefix_caching: automatic prefix caching in the block manager (on by default; see
         `serve_jax.kv_blocks`): an admission starts from the longest cached prefix of its tokens.
       block_hash: the prefix cache's key function (``blake2b``; the simulator uses ``builtin``).
+      host_prefix_caching: the host pool as a second cache level (`serve_jax.kv_blocks`): freed
+        cached blocks are demoted to it (copies issued with the next step's offloads) and an
+        admission promotes the host-cached continuation of its prefix (copies issued with the
+        step's restores) instead of computing it.
     """
 
     def __init__(
@@ -137,11 +144,17 @@ class Scheduler:
         no_admission_after_preemption: bool = True,
         enable_prefix_caching: bool = True,
         block_hash: str = "blake2b",
+        host_prefix_caching: bool = False,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.blocks = KVBlockManager(
-            num_device_blocks, num_host_blocks, block_size, enable_prefix_caching, block_hash
+            num_device_blocks,
+            num_host_blocks,
+            block_size,
+            enable_prefix_caching,
+            block_hash,
+            host_caching=host_prefix_caching,
         )
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -418,13 +431,14 @@ class Scheduler:
             # A waiting request holds no blocks and has nothing computed; it starts from the
             # longest cached prefix of its tokens.
             hits = self.blocks.lookup_prefix(req)
-            computed = len(hits) * bs
+            promote = self.blocks.lookup_host(req, len(hits))  # the host cache's continuation
+            computed = (len(hits) + len(promote)) * bs
             n = min(req.num_tokens - computed, budget)
             need = self.blocks.num_blocks_for(computed + n) - len(hits)
             if need + self.blocks.num_free_among(hits) > device.num_free:
                 break
             self.waiting.popleft()
-            self.blocks.take_prefix(req, hits)
+            out.restores.extend(self.blocks.take_prefix(req, hits, promote))
             req.num_computed_tokens = computed
             self._admit(req, now)
             self.blocks.grow(req.request_id, computed + n)
@@ -443,6 +457,9 @@ class Scheduler:
             self.offloaded.extend(self._held_offloaded)
             self._held_offloaded = []
 
+        if self.blocks.host_caching:
+            # Cached blocks freed since the last plan are copied to the host cache.
+            out.offloads.extend(self.blocks.take_demotions())
         block_tables = out.block_tables
         for chunk in prefills:
             block_tables[chunk.request_id] = list(tables[chunk.request_id])
@@ -537,4 +554,6 @@ class Scheduler:
             "prefix_cache_queries": self.blocks.prefix_queries,
             "prefix_cache_hits": self.blocks.prefix_hits,
             "restore_cache_hit_blocks": self.blocks.restore_hit_blocks,
+            "prefix_cache_host_hits": self.blocks.host_hits,
+            "demoted_blocks": self.blocks.demoted_blocks,
         }

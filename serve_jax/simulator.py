@@ -101,6 +101,9 @@ class SimConfig:
     """Host KV blocks, overriding ``host_memory_gb``."""
     max_model_len: int | None = None
     """Longest prompt + output (default: all device blocks), as the engine's model limit."""
+    host_prefix_caching: bool = False
+    """The host pool as a second prefix-cache level (`serve_jax.kv_blocks`): freed cached
+    blocks are demoted to host memory and promoted back instead of recomputed."""
     decode_runs: bool = True
     """Apply runs of quiet decode steps at once (`serve_jax.sim_runs`; the same results, much
     faster); off, every step goes through `EngineCore.step`. Runs are only used without extra
@@ -156,6 +159,10 @@ class SimulationResult:
     step_seconds: list[float] = dataclasses.field(default_factory=list)
     restore_cache_hit_blocks: int = 0
     """Blocks of restored requests found cached on the device (shared, not copied back)."""
+    host_hit_rate: float = 0.0
+    """Of the looked-up tokens, those found in the host cache (promoted, not computed)."""
+    demoted_blocks: int = 0
+    """Cached blocks copied to the host cache when freed (host-tier caching)."""
     decode_run_steps: int = 0
     """Steps applied in runs of quiet decodes (`serve_jax.sim_runs`; not a result, a speed)."""
 
@@ -186,6 +193,8 @@ class SimulationResult:
             "bytes_offloaded": self.bytes_offloaded,
             "bytes_restored": self.bytes_restored,
             "restore_cache_hit_blocks": self.restore_cache_hit_blocks,
+            "prefix_hit_rate_host": self.host_hit_rate,
+            "demoted_blocks": self.demoted_blocks,
             "goodput_req_s": self.goodput_req_s,
             "slo_attainment": self.slo_attainment,
             "makespan_s": self.makespan_s,
@@ -324,6 +333,7 @@ def simulate(
         max_model_len=config.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         block_hash="builtin",  # (placeholder tokens, no adversary: the cheap key)
+        host_prefix_caching=config.host_prefix_caching,
     )
     capacity = sched.max_model_len
     output_lens = {
@@ -367,9 +377,9 @@ def simulate(
         config.decode_runs and not observers and step_times is None and cost_observations is None
     )
     idle_steps = 0
-    while feeder.arrivals or sched.has_unfinished():
+    while feeder.arrivals or sched.has_work():
         feeder.feed(executor.now)
-        if not sched.has_unfinished():
+        if not sched.has_work():  # (demotions may still be copying after the last finish)
             if feeder.arrivals:  # (everything fed so far may have been refused)
                 executor.set_time(feeder.next_arrival)
             continue
@@ -430,6 +440,7 @@ def _result(pol, workload, feeder, sched, config: SimConfig, tally: SimMetrics) 
     summary = summarize(records, makespan if makespan > 0 else None, slo)
     per_req = [r.num_preemptions for r in reqs.values()]
     pred_err = pol.log.summary() if hasattr(pol, "log") else None
+    blocks = sched.blocks
     return SimulationResult(
         policy=pol.name,
         workload=workload.name,
@@ -461,6 +472,8 @@ def _result(pol, workload, feeder, sched, config: SimConfig, tally: SimMetrics) 
         step_seconds=tally.step_seconds,
         restore_cache_hit_blocks=sched.blocks.restore_hit_blocks,
         decode_run_steps=tally.run_steps,
+        host_hit_rate=blocks.host_hits / blocks.prefix_queries if blocks.prefix_queries else 0.0,
+        demoted_blocks=blocks.demoted_blocks,
     )
 
 

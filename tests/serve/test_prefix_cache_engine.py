@@ -42,13 +42,16 @@ def reference(model, prompt, max_tokens):
     return _REF[key]
 
 
-def run(model, prompts, lens, caching: bool, num_blocks: int, mode: PreemptMode):
+def run(
+    model, prompts, lens, caching: bool, num_blocks: int, mode: PreemptMode, host: bool = False
+):
     cfg = load_engine_config(
         "tiny_cpu",
         [f"cache.num_device_blocks={num_blocks}", f"cache.enable_prefix_caching={caching}"],
     )
     eng = Engine(cfg, model=model)
     eng.scheduler.policy = FcfsLastPolicy(mode)
+    eng.scheduler.blocks.host_caching = host  # the host pool as a second cache level
     ids = [
         eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
         for p, n in zip(prompts, lens)
@@ -93,10 +96,43 @@ def test_property_caching_on_and_off_give_the_reference(model, seed, num_blocks,
     prompts, lens = shared_prompts(model, rng, rng.randint(3, 7))
     on, sched_on = run(model, prompts, lens, True, num_blocks, mode)
     off, sched_off = run(model, prompts, lens, False, num_blocks, mode)
+    host, sched_host = run(model, prompts, lens, True, num_blocks, mode, host=True)
     assert sched_off.blocks.prefix_hits == 0
-    assert on == off
+    assert on == off == host
     for p, n, out in zip(prompts, lens, on):
         assert out == reference(model, p, n)
+
+
+def test_host_cache_level_promotes_evicted_prefixes_exactly(model):
+    """Turns whose parents' pages were evicted from the device (demoted to the host cache) are
+    served from host copies, promoted back: the same greedy outputs as without the host level,
+    with host hits and fewer prefilled tokens."""
+    rng = random.Random(11)
+    firsts = [[rng.randrange(3, 259) for _ in range(rng.randint(20, 36))] for _ in range(5)]
+    outs = [reference(model, p, 10) for p in firsts]
+    turns = [p + o + [7, 8, 9] for p, o in zip(firsts, outs)]
+    prompts = firsts + turns  # every first turn runs (and is evicted) before the next turns
+    lens = [10] * 5 + [6] * 5
+    results = {}
+    for host in (False, True):
+        cfg = load_engine_config("tiny_cpu", ["cache.num_device_blocks=16"])
+        eng = Engine(cfg, model=model)
+        eng.scheduler.blocks.host_caching = host
+        params = SamplingParams(max_tokens=10, ignore_eos=True)
+        got = [list(o.token_ids) for o in eng.generate(firsts, params)]
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        for p in turns:
+            (o,) = eng.generate([p], params)
+            got.append(list(o.token_ids))
+            eng.scheduler.check_invariants()
+        eng.scheduler.blocks.assert_all_free()
+        results[host] = (got, eng.scheduler.blocks)
+    for p, n, out in zip(prompts, lens, results[True][0]):
+        assert out == reference(model, p, n)
+    assert results[True][0] == results[False][0]
+    blocks_host, blocks_plain = results[True][1], results[False][1]
+    assert blocks_host.demoted_blocks > 0 and blocks_host.host_hits > 0
+    assert blocks_host.prefix_hits > blocks_plain.prefix_hits
 
 
 @pytest.mark.parametrize("mode", list(PreemptMode))

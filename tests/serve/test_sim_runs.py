@@ -34,6 +34,15 @@ CASES = [
     ),
     ("agentic", SimConfig(kv_memory_gb=1.5, host_memory_gb=2.0, max_num_batched_tokens=1024)),
     ("agentic", SimConfig(kv_memory_gb=4.0, max_num_batched_tokens=1024)),
+    (
+        "agentic",
+        SimConfig(
+            kv_memory_gb=1.5,
+            host_memory_gb=0.5,
+            max_num_batched_tokens=1024,
+            host_prefix_caching=True,
+        ),
+    ),
 ]
 
 
