@@ -207,13 +207,21 @@ def predict_band(
     }
 
 
-def group_split(chips: int, g_share: float) -> tuple[int, int]:
+def group_split(chips: int, g_share: float, batch: int | None = None) -> tuple[int, int]:
     """``(n_g, n_d)``: chips (or processes) of the async G and D groups along one axis, split in
     proportion to their work; `g_share` is G's share of the step's FLOPs (its update and the
-    fakes for D). Each group gets at least one."""
+    fakes for D). Each group gets at least one. With `batch` (the global batch), the split
+    nearest that proportion whose groups both divide the batch."""
     if chips < 2:
         raise ValueError(f"the async scheme needs at least 2 chips, got {chips}")
-    n_g = min(chips - 1, max(1, round(chips * g_share)))
+    target = chips * g_share
+    if batch is None:
+        n_g = min(chips - 1, max(1, round(target)))
+        return n_g, chips - n_g
+    options = [g for g in range(1, chips) if batch % g == 0 and batch % (chips - g) == 0]
+    if not options:
+        raise ValueError(f"no split of {chips} into two groups divides the batch {batch}")
+    n_g = min(options, key=lambda g: (abs(g - target), g))
     return n_g, chips - n_g
 
 

@@ -3,10 +3,12 @@ fit never saw.
 
 `check_cpu` runs the real sync step data-parallel on 1, 2, 3, 4 processes (one CPU device each,
 gloo collectives, via `paragan_jax.distributed.launch`) for several model widths, and the async
-scheme with a G group and a D group of processes (`paragan_jax.process_groups`: 2 processes are
-1 G + 1 D, 4 are 2 + 2, split by FLOPs with `paragan_jax.scaling.group_split`) at 2 processes
-and up. `paragan_jax.scaling_fit.fit_and_predict` then fits on 1 and 2 processes only and
-predicts everything else:
+scheme with a G group and a D group of processes (`paragan_jax.process_groups`) at 2 processes
+and up, split by FLOPs with `paragan_jax.scaling.group_split` (G's update runs D forward and
+backward too, so this model's G group is the larger: 1 G + 1 D, 2 + 1, and 2 + 2, the split
+nearest 3 + 1 that divides the batch).
+`paragan_jax.scaling_fit.fit_and_predict` then fits on 1 and 2 processes only and predicts
+everything else:
 
 - fitted on (width 0, 1 process): the step's achieved FLOP/s (XLA's FLOPs of the step over its
   median time), the cores one process keeps busy (CPU time per wall second) and the relative
@@ -323,7 +325,7 @@ def async_plan(widths, counts, batch: int) -> tuple[dict[tuple[int, int], int], 
         for n in counts:
             if n < 2:
                 continue
-            n_g, n_d = group_split(n, share)
+            n_g, n_d = group_split(n, share, batch * n)
             splits[(w, n)] = n_g
             flops[f"{w}:{n}"] = {
                 "g": costs(w, batch * n // n_g).g_side_flops,
