@@ -10,6 +10,7 @@ COMMANDS = {
     "sample": ("paragan_jax.cli", "write a sample grid PNG from the latest checkpoint"),
     "bench": ("paragan_jax.cli", "async against sync: steps/s and quality at equal time"),
     "bench-pipeline": ("paragan_jax.pipeline_bench", "fixed vs adaptive input pipeline"),
+    "bench-step": ("paragan_jax.step_bench", "time of one training step (the PyTorch peer's)"),
     "prepare": ("paragan_jax.prepare", "write images / npy / digits as sharded uint8 on disk"),
     "scaling": ("paragan_jax.scale_cli", "predicted step time and scaling efficiency at scale"),
     "layout": ("paragan_jax.layout_bench", "padding waste and CPU time of three stem layouts"),

@@ -2,6 +2,7 @@
 the one step loop."""
 
 import ast
+import json
 from pathlib import Path
 
 import jax
@@ -11,6 +12,7 @@ from conftest import RING
 from tb_events import read_events
 
 import paragan_jax
+from paragan_jax.__main__ import main
 from paragan_jax.async_scheme import AsyncRunner
 from paragan_jax.config import load_train_config
 from paragan_jax.data import PrefetchLoader, batch_at, load_dataset
@@ -221,3 +223,17 @@ def test_periodic_eval_and_sample_grids_go_to_tensorboard(tmp_path):
         "samples_step3.png",
         "samples_step4.png",
     ]
+
+
+def test_bench_step_times_the_sync_step_and_counts_params(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    args = ["--config", "tiny", *RING, "sharding.num_devices=1"]
+    assert main(["bench-step", *args, "--steps", "3", "--warmup", "1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["steps"] == 3 and len(res["step_ms"]) == 3 and res["devices"] == 1
+    assert res["step_ms_median"] == pytest.approx(sorted(res["step_ms"])[1])
+    # The ring MLPs (z 8, 2 hidden layers of 16): G 8*16+16 + 16*16+16 + 16*2+2, D 2*16+16 +
+    # 16*16+16 + 16+1: the trainable params alone (no EMA, Adam moments or SN vectors).
+    assert (res["g_params"], res["d_params"]) == (450, 337)
+    assert main(["bench-step", *args, "scheme=async"]) == 2
+    assert "bench-step times the sync step" in capsys.readouterr().err
