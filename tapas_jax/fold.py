@@ -18,12 +18,11 @@ constrained to the same strategy. A ``scan`` is already folded: its body counts 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import heapq
 
 import numpy as np
 
-from .graph import Graph
+from .graph import Graph, HeadIds
 
 __all__ = ["Block", "Folding", "fold_repeated_blocks", "no_folding", "local_hashes"]
 
@@ -73,25 +72,6 @@ class Folding:
         return int(np.count_nonzero(self.count))
 
 
-def _param_key(v) -> str:
-    if isinstance(v, bool | int | float | str | type(None) | np.dtype | enum.Enum):
-        return repr(v)
-    if isinstance(v, tuple | list):
-        return "(" + ",".join(_param_key(x) for x in v) + ")"
-    if hasattr(v, "_fields"):  # NamedTuple dimension numbers
-        return type(v).__name__ + _param_key(tuple(v))
-    if isinstance(v, np.ndarray):
-        return f"array{v.shape}{v.dtype}"
-    if hasattr(v, "dtype") and hasattr(v, "shape"):
-        return f"array{tuple(v.shape)}{v.dtype}"
-    return type(v).__name__
-
-
-def _described_params(params: dict) -> tuple:
-    """Params as a hashable key, array-valued ones (constants) described by shape and dtype."""
-    return tuple((k, _param_key(v)) for k, v in params.items())
-
-
 def _literal_key(lit) -> tuple:
     # The dtype itself, not ``dtype.str`` (which builds a string each time): equal either way.
     if isinstance(lit, np.generic | np.ndarray) and lit.size == 1:  # the usual literal
@@ -122,17 +102,12 @@ def local_hashes(graph: Graph) -> np.ndarray:
     eqns = graph.eqns
     n = len(eqns)
     aval = graph.aval_ids()[0]
-    head_ids: dict[tuple, int] = {}
-    head = []
-    for e in eqns:
-        body = graph_hash(e.body) if e.body is not None else 0
-        # A primitive binds its params in a fixed order, so no sorting is needed.
-        key = (e.prim, tuple(e.params.items()) if e.params else (), body, e.weight)
-        try:
-            head.append(head_ids.setdefault(key, len(head_ids)))
-        except TypeError:  # an array-valued param (constants)
-            key = (e.prim, _described_params(e.params), body, e.weight)
-            head.append(head_ids.setdefault(key, len(head_ids)))
+    head = graph.heads
+    if head is None:  # a graph built by hand; `build_graph` interns heads as it flattens
+        heads = HeadIds()
+        for e in eqns:
+            heads.add(e, graph_hash(e.body) if e.body is not None else 0)
+        head = heads.ids
     # Operands: the aval id of a variable, -2 - (literal id) for a literal; -1 pads the rows.
     eq, var, pos = graph.operand_slots()
     code = aval[var]

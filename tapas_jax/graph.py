@@ -17,6 +17,7 @@ argument it came from. Closed-over constants become ``constant`` equations (repl
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -84,6 +85,10 @@ class Graph:
     """``length`` of every inlined scan."""
     in_treedef: Any = None
     out_treedef: Any = None
+    heads: list[int] | None = None
+    """`HeadIds` of the equations, interned by `build_graph` as it flattens (each equation's
+    params are visited there anyway); None for a graph built by hand (`tapas_jax.fold`
+    interns them when it needs them)."""
 
     @property
     def num_vars(self) -> int:
@@ -229,6 +234,41 @@ def path_string(path: Sequence[Any]) -> str:
 _JAXPRS = (jcore.ClosedJaxpr, jcore.Jaxpr)
 
 
+def _param_key(v) -> str:
+    if isinstance(v, bool | int | float | str | type(None) | np.dtype | enum.Enum):
+        return repr(v)
+    if isinstance(v, tuple | list):
+        return "(" + ",".join(_param_key(x) for x in v) + ")"
+    if hasattr(v, "_fields"):  # NamedTuple dimension numbers
+        return type(v).__name__ + _param_key(tuple(v))
+    if isinstance(v, np.ndarray):
+        return f"array{v.shape}{v.dtype}"
+    if hasattr(v, "dtype") and hasattr(v, "shape"):
+        return f"array{tuple(v.shape)}{v.dtype}"
+    return type(v).__name__
+
+
+class HeadIds:
+    """Dense integer ids of equation *heads* (primitive, params, body, weight), in order of
+    first appearance: equal ids, equal heads. Array-valued params (constants) are described by
+    shape and dtype, not by value. The structural hash of `tapas_jax.fold` starts from them."""
+
+    def __init__(self):
+        self.index: dict[tuple, int] = {}
+        self.ids: list[int] = []
+        """The id of each equation added, in order."""
+
+    def add(self, e: Eqn, body_hash: int = 0) -> None:
+        # A primitive binds its params in a fixed order, so no sorting is needed.
+        key = (e.prim, tuple(e.params.items()) if e.params else (), body_hash, e.weight)
+        try:
+            self.ids.append(self.index.setdefault(key, len(self.index)))
+        except TypeError:  # an array-valued param (constants)
+            described = tuple((k, _param_key(v)) for k, v in e.params.items())
+            key = (e.prim, described, body_hash, e.weight)
+            self.ids.append(self.index.setdefault(key, len(self.index)))
+
+
 class _Builder:
     def __init__(self):
         self.shapes: list[tuple[int, ...]] = []
@@ -236,11 +276,17 @@ class _Builder:
         self.weight = 1.0
         self.scans: list[int] = []
         self.avals: dict = {}
-        """(shape, dtype) of an aval -> the normalised pair, shared by every variable of it."""
+        """(shape, dtype) of an aval -> (shape, dtype, id) normalised, shared by every variable
+        of it; ids number the distinct normalised pairs (`Graph.aval_ids`)."""
+        self.distinct: dict = {}
+        self.aval_of: list[int] = []
+        self.heads = HeadIds()
 
     def emit(self, eqns: list[Eqn], e: Eqn) -> Eqn:
+        """Appends `e` with the current weight and interns its head (no body: scans inline)."""
         e.weight = self.weight
         eqns.append(e)
+        self.heads.add(e)
         return e
 
     def as_var(self, vid, lit, aval, eqns) -> int:
@@ -310,9 +356,11 @@ class _Builder:
         key = (aval.shape, aval.dtype)
         norm = self.avals.get(key)
         if norm is None:
-            norm = self.avals[key] = (tuple(int(d) for d in aval.shape), np.dtype(aval.dtype))
+            pair = (tuple(int(d) for d in aval.shape), np.dtype(aval.dtype))
+            norm = self.avals[key] = (*pair, self.distinct.setdefault(pair, len(self.distinct)))
         self.shapes.append(norm[0])
         self.dtypes.append(norm[1])
+        self.aval_of.append(norm[2])
         return len(self.shapes) - 1
 
     def flatten(self, jaxpr, env: dict, eqns: list[Eqn], prefix: tuple | None = ()) -> None:
@@ -417,11 +465,11 @@ def build_graph(fn: Callable[..., Any], *args: Any) -> Graph:
     for cv, c in zip(inner.constvars, closed.consts):
         vid = b.new_var(cv.aval)
         env[cv] = vid
-        eqns.append(Eqn("constant", {"value": c}, [], [], [vid]))
+        b.emit(eqns, Eqn("constant", {"value": c}, [], [], [vid]))
     b.flatten(inner, env, eqns)
     outputs = [None if isinstance(o, jcore.Literal) else env[o] for o in inner.outvars]
     out_treedef = jax.tree_util.tree_structure(out_shape)
-    return Graph(
+    graph = Graph(
         eqns,
         b.shapes,
         b.dtypes,
@@ -433,4 +481,8 @@ def build_graph(fn: Callable[..., Any], *args: Any) -> Graph:
         b.scans,
         treedef,
         out_treedef,
+        b.heads.ids,
     )
+    # The avals were interned as the variables were made: `aval_ids` needs no second pass.
+    graph.__dict__["_avals"] = (np.array(b.aval_of, dtype=np.int64), list(b.distinct))
+    return graph
