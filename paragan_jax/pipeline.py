@@ -253,15 +253,17 @@ class BatchStream(Iterator[Example]):
         now = time.perf_counter()
         lat = self._storage.stats.recent()
         fetches = self._storage.stats.count - iv["fetches"]
+        # Latency of this interval's fetches: reacts within one interval to a change.
+        window = lat[-min(256, max(fetches, 16)) :]
         obs = Observation(
             wall_s=now - iv["t0"],
             wait_s=iv["wait"],
             steps=iv["steps"],
             examples=iv["examples"],
-            # Latency of this interval's fetches: reacts within one interval to a change.
-            fetch_latency_s=float(lat[-min(256, max(fetches, 16)) :].mean()) if lat.size else 0.0,
+            fetch_latency_s=float(window.mean()) if window.size else 0.0,
             full_fraction=iv["full"] / iv["steps"],
             fetches=fetches,
+            fetch_latency_p95_s=float(np.percentile(window, 95)) if window.size else 0.0,
         )
         with self._lock:
             before = p.controller.workers, p.controller.depth

@@ -16,7 +16,9 @@ storage's measured fetch latencies this feeds `AimdController`, which every
 * comfortable (wait below ``wait_low`` with the buffer full, or workers above twice the
   Little's-law need): multiplicative decrease of workers, never below the need x headroom;
   depth one lower whenever the consumer keeps finding the window full, but never below
-  what holds the Little's-law concurrency plus one ready batch.
+  what holds the Little's-law concurrency plus one ready batch, nor below what covers the
+  tail: a batch is ready only when its slowest fetch is, so the window holds ``rate x p95
+  latency x headroom`` examples besides the batch being consumed.
 
 A fixed pipeline is the same machinery with ``adaptive=False``.
 """
@@ -109,6 +111,8 @@ class Observation:
     """Fraction of ``next()`` calls that found the window's ready batches at depth - 1 or more."""
     fetches: int = 0
     """Fetches completed by the storage (its throughput is ``fetches / wall_s``)."""
+    fetch_latency_p95_s: float = 0.0
+    """95th percentile of the recent fetch latencies (0: unknown; the mean stands in)."""
 
 
 class AimdController:
@@ -155,8 +159,13 @@ class AimdController:
                 depth -= 1
         workers = int(min(max(workers, cfg.min_workers), cfg.max_workers))
         # The window must hold the fetches the need calls for plus one ready batch; a shallower
-        # window would cap concurrency below it.
-        floor = max(cfg.min_depth, math.ceil(min(target, workers) / cfg.batch_size) + 1)
+        # window would cap concurrency below it. It must also cover the tail: a batch waits for
+        # its slowest fetch, so the batches ahead of the consumer hold rate x p95 latency.
+        busy = max(obs.wall_s - obs.wait_s, 1e-9)
+        tail = max(obs.fetch_latency_p95_s, obs.fetch_latency_s)
+        tail_slots = obs.examples / busy * tail * cfg.headroom
+        slots = max(min(target, workers), tail_slots)
+        floor = max(cfg.min_depth, math.ceil(slots / cfg.batch_size) + 1)
         depth = int(min(max(depth, floor), self.max_depth))
         # Threads beyond what the window can keep busy would only idle.
         workers = min(workers, max(cfg.min_workers, depth * cfg.batch_size))

@@ -153,6 +153,21 @@ def test_controller_raises_when_starving_lowers_when_comfortable_and_respects_ca
         AimdController(cfg, batch_bytes=10**9)
 
 
+def test_controller_window_covers_the_tail_latency():
+    cfg = PipelineConfig(batch_size=16, num_workers=8, prefetch_depth=2, max_depth=32)
+    comfortable = dict(wall_s=1.0, wait_s=0.0, steps=10, examples=160, full_fraction=1.0)
+    even = AimdController(cfg, batch_bytes=1000)
+    for _ in range(20):
+        even.update(Observation(fetch_latency_s=0.05, fetch_latency_p95_s=0.06, **comfortable))
+    tailed = AimdController(cfg, batch_bytes=1000)
+    for _ in range(20):
+        tailed.update(Observation(fetch_latency_s=0.05, fetch_latency_p95_s=0.4, **comfortable))
+    # Mean need: 160/s x 50 ms x 1.5 = 12 in flight; the p95 tail 160/s x 0.4 s x 1.5 = 96
+    # examples = 6 batches ahead, + 1: the window, not the workers, grows for the tail.
+    assert even.depth == 2 and tailed.depth == 7
+    assert even.workers == tailed.workers == 12
+
+
 def test_adaptive_pipeline_tracks_congestion_within_memory_cap():
     data = _dataset(n=4000, hw=8)
     store = EmulatedRemoteStorage(
