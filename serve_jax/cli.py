@@ -296,6 +296,7 @@ def _bench(argv: list[str]) -> int:
         f"max concurrency {args.max_concurrency})",
         flush=True,
     )
+    preemptions_before = _scrape_preemptions(url)
     with tqdm(total=len(requests), disable=args.disable_tqdm, unit="req") as bar:
         records, duration = loadgen.http_bench(
             url,
@@ -322,7 +323,8 @@ def _bench(argv: list[str]) -> int:
             records, duration, metrics, percentiles, Slo(args.slo_ttft_ms, args.slo_tpot_ms)
         ),
         "workload": workload.name,
-        "server_preemptions": _scrape_preemptions(url),
+        # vllm:num_preemptions_total moved by this much during the run
+        "server_preemptions": _scrape_preemptions(url) - preemptions_before,
     }
     print(format_bench_table(result, metrics))
     write_json(args.json, result)
