@@ -6,7 +6,10 @@ One ``execute`` call, in order:
 2. compute: the prefill chunks, then the decodes, each as one jitted step over a padded batch
    (batch, chunk length and block-table width are rounded up to powers of two so a handful of
    shapes are compiled). The step writes the new K/V into the pages, runs ragged paged
-   attention, samples a token per sequence on device, and donates the pools;
+   attention, samples a token per sequence on device, and donates the pools. A batch with a
+   request that needs more than temperature and top-p (penalties, top-k, min-p, min_tokens,
+   logprobs) runs the step without sampling, then `serve_jax.sampling.sample_full`, jitted
+   apart;
 3. offloads issued in the *previous* step are waited for (they ran alongside this step's
    compute) and reported complete; this step's offloads are issued (asynchronous device_put to
    ``pinned_host``) so they overlap the next step;
@@ -112,25 +115,27 @@ def pad_pow2(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _last_logits(model, k_pool, v_pool, tokens, positions, valid, tables, last):
+    """Writes the batch's K/V pages, attends, returns the logits after each row's last token."""
+    view = PagedKVView(k_pool, v_pool, tables, positions, valid)
+    h = model.hidden(tokens, positions, view)
+    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+    return model.logits(h_last), view.k_pool, view.v_pool
+
+
 def _paged_step(
-    graphdef, params, k_pool, v_pool, tokens, positions, valid, tables, last, *sampling, extras=None
+    graphdef, params, k_pool, v_pool, tokens, positions, valid, tables, last, *sampling
 ):
     """One forward over a padded batch: write K/V pages, attend, sample a token per row.
 
     ``sampling`` is ``(temperature, top_p, seeds, counters)``; returns
-    ``(next_tokens, k_pool, v_pool)``. With ``extras`` (the arrays of
-    `serve_jax.sampling.sample_full`: penalties, top-k, min-p, banned ids) the step samples
-    with vLLM's full sampler and returns ``(next_tokens, k_pool, v_pool, logprobs)``.
+    ``(next_tokens, k_pool, v_pool)``.
     """
     model = nnx.merge(graphdef, params)
-    view = PagedKVView(k_pool, v_pool, tables, positions, valid)
-    h = model.hidden(tokens, positions, view)
-    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-    logits = model.logits(h_last)
-    if extras is None:
-        return sample_tokens(logits, *sampling), view.k_pool, view.v_pool
-    next_tokens, logprobs = sample_full(logits, *sampling, extras)
-    return next_tokens, view.k_pool, view.v_pool, logprobs
+    logits, k_pool, v_pool = _last_logits(
+        model, k_pool, v_pool, tokens, positions, valid, tables, last
+    )
+    return sample_tokens(logits, *sampling), k_pool, v_pool
 
 
 @functools.cache
@@ -138,18 +143,34 @@ def flat_paged_step(graphdef, treedef):
     """The jitted paged step, taking the weights as a flat list (``jax.tree.leaves(params)``).
 
     ``step(leaves, k_pool, v_pool, tokens, positions, valid, tables, last, temperature, top_p,
-    seeds, counters, extras=None) -> (next_tokens, k_pool, v_pool[, logprobs])``; the pools are
-    donated. ``graphdef`` is bound here and hashed once: a list of arrays is the cheapest
-    argument for jit's dispatch path, where an `nnx.State` would be flattened and a `GraphDef`
-    static argument hashed on every call (about 5 ms per step for the `small` preset on a CPU).
-    Cached per architecture, so engines serving the same one share compilations.
+    seeds, counters) -> (next_tokens, k_pool, v_pool)``; the pools are donated. ``graphdef`` is
+    bound here and hashed once: a list of arrays is the cheapest argument for jit's dispatch
+    path, where an `nnx.State` would be flattened and a `GraphDef` static argument hashed on
+    every call (about 5 ms per step for the `small` preset on a CPU). Cached per architecture,
+    so engines serving the same one share compilations.
     """
 
-    def step(leaves, k_pool, v_pool, *arrays, extras=None):
-        params = jax.tree.unflatten(treedef, leaves)
-        return _paged_step(graphdef, params, k_pool, v_pool, *arrays, extras=extras)
+    def step(leaves, k_pool, v_pool, *arrays):
+        return _paged_step(graphdef, jax.tree.unflatten(treedef, leaves), k_pool, v_pool, *arrays)
 
     return jax.jit(step, donate_argnums=(1, 2))
+
+
+@functools.cache
+def flat_paged_logits(graphdef, treedef):
+    """The paged step without sampling, for batches that take the full sampler:
+    ``(leaves, k_pool, v_pool, tokens, positions, valid, tables, last) -> (logits, k_pool,
+    v_pool)``. The sampler (`sample_full`) is jitted apart, so its shapes (history width,
+    banned ids) recompile only the sampler, never the model."""
+
+    def step(leaves, k_pool, v_pool, *arrays):
+        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+        return _last_logits(model, k_pool, v_pool, *arrays)
+
+    return jax.jit(step, donate_argnums=(1, 2))
+
+
+_jit_sample_full = jax.jit(sample_full)
 
 
 class JaxExecutor:
@@ -216,6 +237,7 @@ class JaxExecutor:
         leaves, treedef = jax.tree.flatten(self.params)
         self._leaves = leaves
         self._step = flat_paged_step(graphdef, treedef)
+        self._logits_step = flat_paged_logits(graphdef, treedef)
         self.pool_sharding = pool_sharding
         self.k_pool, self.v_pool = make_kv_pools(
             self.cfg, num_device_blocks, block_size, sharding=pool_sharding
@@ -271,19 +293,25 @@ class JaxExecutor:
             arrays[0].shape[0],
             self.cfg.vocab_size,
         )
-        args, extras = jax.device_put((arrays, extras), self._replicated)
-        toks, self.k_pool, self.v_pool, logprobs = self._step(
-            self._leaves, self.k_pool, self.v_pool, *args, extras=extras
-        )
-        return toks, logprobs
+        return self._sample_full(arrays, extras)
 
-    def warmup(self, max_num_seqs: int, max_chunk: int) -> int:
+    def _sample_full(self, arrays, extras):
+        args, extras = jax.device_put((arrays, extras), self._replicated)
+        logits, self.k_pool, self.v_pool = self._logits_step(
+            self._leaves, self.k_pool, self.v_pool, *args[:5]
+        )
+        return _jit_sample_full(logits, *args[5:], extras)
+
+    def warmup(self, max_num_seqs: int, max_chunk: int, full_sampler: bool = True) -> int:
         """Compiles the step for the shapes serving will use; returns how many were run.
 
         Runs all-padding batches (every row invalid, so nothing is written to the pools):
         decodes at every padded batch size up to ``max_num_seqs`` and prefills at every
         padded chunk length up to ``max_chunk`` (one row per call when ``prefill_rows`` is set,
-        else one row), each with every padded table width.
+        else one row), each with every padded table width. With ``full_sampler`` each shape
+        also runs through the full sampler's path (logits step, then `sample_full` without
+        penalties), so the first request asking for logprobs, top-k, min-p or min_tokens
+        compiles nothing; penalties compile only the sampler for their history width.
         """
         widths = sorted(
             {pad_pow2(w, self.min_table_blocks) for w in _pow2_range(1, self.max_table_blocks)}
@@ -310,6 +338,10 @@ class JaxExecutor:
                 self._leaves, self.k_pool, self.v_pool, *jax.device_put(args, self._replicated)
             )
             toks.block_until_ready()
+            if full_sampler:
+                extras = full_sampler_arrays([], b, self.cfg.vocab_size)
+                toks, _ = self._sample_full(args, extras)
+                toks.block_until_ready()
         return len(shapes)
 
     # ---- protocol ------------------------------------------------------------------------

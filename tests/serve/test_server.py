@@ -257,7 +257,7 @@ def test_full_queue_is_503_with_retry_after_and_accepted_requests_complete(serve
     try:
         for resp in responses:
             assert resp.status_code == 200
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
         assert r.status_code == 503
         assert r.headers["retry-after"] == str(cfg.server.retry_after_s)
         for resp in responses:
