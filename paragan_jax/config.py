@@ -72,13 +72,6 @@ class ModelConfig:
     """Running-average momentum of batch norm in G."""
     dtype: str = "float32"
     """Compute dtype (``float32`` or ``bfloat16``); params are kept in float32."""
-    layout: str = "none"
-    """Layout plan of D's first convolution on 3-channel images (`paragan_jax.layout`):
-    ``auto`` (`choose_layout` of the default backend), ``tpu``, ``gpu``, ``cpu``, or ``none``
-    (the plain NHWC convolution). Same params and function either way; only the arrays differ.
-    Off by default: space-to-depth done on the device inside the whole D forward adds arrays,
-    and the TPU tile model prices the compiled D higher with it (BENCHMARKS.md, layout); it
-    pays on the stem alone with the image transformed on the host."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +211,6 @@ class TrainConfig:
 
 _ARCHS = ("dcgan", "biggan", "mlp")
 _SOURCES = ("digits", "ring8", "grid25", "folder", "npy", "shards")
-_LAYOUTS = ("auto", "tpu", "gpu", "cpu", "none")
 
 
 def validate_config(config: TrainConfig) -> None:
@@ -260,8 +252,6 @@ def validate_config(config: TrainConfig) -> None:
                     f"model.d_channel_mult has {len(m.d_channel_mult)} entries; resolution {r} "
                     f"needs {n_up + 1}"
                 )
-    if m.layout not in _LAYOUTS:
-        raise ConfigError(f"model.layout={m.layout!r}: expected one of {_LAYOUTS}")
     if m.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"model.dtype={m.dtype!r}: expected 'float32' or 'bfloat16'")
     if config.scheme not in ("sync", "async"):

@@ -21,8 +21,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .layout import LayoutPlan, stem_conv
-
 __all__ = [
     "ConditionalBatchNorm",
     "SNConv",
@@ -103,13 +101,7 @@ class SNLinear(_SNMixin, nnx.Module):
 
 
 class SNConv(_SNMixin, nnx.Module):
-    """2-D convolution (NHWC, SAME padding) with optional spectral norm and orthogonal init.
-
-    With a `LayoutPlan` (``plan``), the convolution runs through `paragan_jax.layout.stem_conv`:
-    on 3-channel input and a plan with space-to-depth it is computed from the space-to-depth
-    input, otherwise it is the plain convolution. Either way it is the same function of the same
-    (spectrally normalised) kernel, so params and checkpoints do not depend on the plan.
-    """
+    """2-D convolution (NHWC, SAME padding) with optional spectral norm and orthogonal init."""
 
     def __init__(
         self,
@@ -121,11 +113,9 @@ class SNConv(_SNMixin, nnx.Module):
         use_sn: bool = True,
         use_bias: bool = True,
         sn_eps: float = 1e-6,
-        plan: LayoutPlan | None = None,
         rngs: nnx.Rngs,
     ):
         self.use_sn, self.sn_eps, self.stride = use_sn, sn_eps, stride
-        self.plan = plan
         shape = (kernel_size, kernel_size, in_features, out_features)
         self.kernel = nnx.Param(ortho_init(rngs.params(), shape))
         self.bias = nnx.Param(jnp.zeros((out_features,))) if use_bias else None
@@ -133,16 +123,13 @@ class SNConv(_SNMixin, nnx.Module):
 
     def __call__(self, x: jax.Array, update_stats: bool = False) -> jax.Array:
         w = self._sn_kernel(self.kernel[...], update_stats).astype(x.dtype)
-        if self.plan is not None:
-            y = stem_conv(x, w, self.plan, self.stride, "SAME")
-        else:
-            y = jax.lax.conv_general_dilated(
-                x,
-                w,
-                window_strides=(self.stride, self.stride),
-                padding="SAME",
-                dimension_numbers=("NHWC", "HWIO", "NHWC"),
-            )
+        y = jax.lax.conv_general_dilated(
+            x,
+            w,
+            window_strides=(self.stride, self.stride),
+            padding="SAME",
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        )
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
         return y

@@ -12,10 +12,9 @@ Three families, chosen by ``model.arch``:
   stages in G, strided 3x3 convs with leaky ReLU (spectral norm optional) and projection in D.
 - ``mlp``: fully connected G and D for 2-D Gaussian mixtures (ring of 8, grid of 25).
 
-D's first convolution (the one that reads the image) follows ``model.layout``: on 3-channel
-images it runs through `paragan_jax.layout.stem_conv` with the chosen `LayoutPlan`
-(space-to-depth on TPU/GPU), an exact rewrite of the same convolution with the same kernel, so the
-param tree, spectral norm and checkpoints are the same for every layout (see `stem_plan`).
+Activations are NHWC everywhere (channels on the minor, tiled dimension of a TPU). A
+space-to-depth stem (`paragan_jax.layout`) is not wired in: over the whole training step it does
+not lower the TPU tile model's padding (BENCHMARKS.md, layout).
 
 Interface shared by all (this is what `paragan_jax.train` relies on):
 
@@ -38,7 +37,6 @@ from flax import nnx
 
 from .config import ModelConfig
 from .layers import ConditionalBatchNorm, SelfAttention, SNConv, SNEmbed, SNLinear
-from .layout import LayoutPlan, choose_layout
 
 __all__ = [
     "BigGANDiscriminator",
@@ -49,7 +47,6 @@ __all__ = [
     "MLPGenerator",
     "build_models",
     "default_channel_mults",
-    "stem_plan",
 ]
 
 
@@ -61,18 +58,6 @@ def default_channel_mults(resolution: int) -> tuple[list[int], list[int]]:
     n_up = int(math.log2(resolution)) - 2
     g = [min(16, 2 ** (n_up - i)) for i in range(n_up + 1)]
     return g, list(reversed(g))
-
-
-def stem_plan(cfg: ModelConfig) -> LayoutPlan | None:
-    """The layout plan of D's first convolution, or None for the plain convolution.
-
-    Only 3-channel images get a plan (space-to-depth is for thin RGB input; 1-channel digits keep
-    the plain convolution), and only when ``model.layout`` is not ``none``. ``auto`` is
-    `choose_layout` of ``jax.default_backend()``, resolved when the model is built.
-    """
-    if cfg.layout == "none" or cfg.channels != 3:
-        return None
-    return choose_layout(None if cfg.layout == "auto" else cfg.layout)
 
 
 def _upsample(x: jax.Array) -> jax.Array:
@@ -117,12 +102,10 @@ class DBlock(nnx.Module):
         preact: bool,
         cfg: ModelConfig,
         rngs: nnx.Rngs,
-        plan: LayoutPlan | None = None,
     ):
         sn = dict(use_sn=cfg.spectral_norm, sn_eps=cfg.sn_eps)
         self.down, self.preact = down, preact
-        # Only the first block (no pre-activation) reads the image; `plan` is its layout.
-        self.conv1 = SNConv(cin, cout, 3, **sn, plan=plan, rngs=rngs)
+        self.conv1 = SNConv(cin, cout, 3, **sn, rngs=rngs)
         self.conv2 = SNConv(cout, cout, 3, **sn, rngs=rngs)
         self.skip = SNConv(cin, cout, 1, **sn, rngs=rngs) if (cin != cout or down) else None
 
@@ -197,8 +180,7 @@ class BigGANDiscriminator(nnx.Module):
         res, cin = cfg.resolution, cfg.channels
         for i, cout in enumerate(chans):
             down = i < len(chans) - 1
-            plan = stem_plan(cfg) if i == 0 else None
-            blocks.append(DBlock(cin, cout, down, preact=i > 0, cfg=cfg, rngs=rngs, plan=plan))
+            blocks.append(DBlock(cin, cout, down, preact=i > 0, cfg=cfg, rngs=rngs))
             res = res // 2 if down else res
             attn.append(
                 SelfAttention(cout, **sn, rngs=rngs)
@@ -272,12 +254,8 @@ class DCGANDiscriminator(nnx.Module):
         n_down = int(math.log2(cfg.resolution)) - 2
         sn = dict(use_sn=cfg.spectral_norm, sn_eps=cfg.sn_eps)
         chans = [cfg.channels] + [cfg.d_width * 2**i for i in range(n_down)]
-        plans = [stem_plan(cfg)] + [None] * (n_down - 1)
         self.convs = nnx.List(
-            [
-                SNConv(chans[i], chans[i + 1], 3, stride=2, **sn, plan=plans[i], rngs=rngs)
-                for i in range(n_down)
-            ]
+            [SNConv(chans[i], chans[i + 1], 3, stride=2, **sn, rngs=rngs) for i in range(n_down)]
         )
         feat = chans[-1] * 16
         self.linear = SNLinear(feat, 1, **sn, rngs=rngs)
