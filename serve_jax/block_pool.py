@@ -78,19 +78,19 @@ class BlockPool:
                 f"{self.name} pool: asked for {n} blocks for {request_id!r}, only "
                 f"{len(free)} free"
             )
-        out = []
-        refs, hash_of = self._refs, self._hash_of
-        for _ in range(n):
-            b = free.popitem(last=False)[0]
-            if hash_of:
+        popitem = free.popitem
+        out = [popitem(last=False)[0] for _ in range(n)]
+        hash_of = self._hash_of
+        if hash_of:
+            blocks_of = self._blocks_of
+            for b in out:
                 h = hash_of.pop(b, None)
                 if h is not None:  # evicted from the prefix cache
-                    copies = self._blocks_of[h]
+                    copies = blocks_of[h]
                     del copies[b]
                     if not copies:
-                        del self._blocks_of[h]
-            refs[b] = 1
-            out.append(b)
+                        del blocks_of[h]
+        self._refs.update(dict.fromkeys(out, 1))
         return out
 
     def touch(self, blocks: Iterable[int]) -> None:
@@ -110,7 +110,7 @@ class BlockPool:
     def free(self, request_id: str, blocks: Iterable[int]) -> None:
         """Drops ``request_id``'s reference to ``blocks``; a block nobody holds returns to the
         back of the free queue (pinned ones when their copies end)."""
-        refs = self._refs
+        refs, pins, free = self._refs, self._pins, self._free
         for b in blocks:
             count = refs.get(b, 0)
             if count <= 0:
@@ -121,10 +121,10 @@ class BlockPool:
                 refs[b] = count - 1
                 continue
             del refs[b]
-            if self._pins.get(b, 0) > 0:
+            if pins and pins.get(b, 0) > 0:
                 self._released_when_unpinned.add(b)
             else:
-                self._free[b] = None
+                free[b] = None
 
     def pin(self, blocks: Iterable[int]) -> None:
         """Marks a copy from or to ``blocks`` as in flight."""

@@ -163,6 +163,9 @@ class SimulationResult:
     """Of the looked-up tokens, those found in the host cache (promoted, not computed)."""
     demoted_blocks: int = 0
     """Cached blocks copied to the host cache when freed (host-tier caching)."""
+    admission_prefill_tokens: int = 0
+    """Tokens the admissions had to compute: looked up in the prefix cache and not found (0
+    with prefix caching off, where nothing is looked up)."""
     decode_run_steps: int = 0
     """Steps applied in runs of quiet decodes (`serve_jax.sim_runs`; not a result, a speed)."""
 
@@ -195,6 +198,7 @@ class SimulationResult:
             "restore_cache_hit_blocks": self.restore_cache_hit_blocks,
             "prefix_hit_rate_host": self.host_hit_rate,
             "demoted_blocks": self.demoted_blocks,
+            "admission_prefill_tokens": self.admission_prefill_tokens,
             "goodput_req_s": self.goodput_req_s,
             "slo_attainment": self.slo_attainment,
             "makespan_s": self.makespan_s,
@@ -474,6 +478,7 @@ def _result(pol, workload, feeder, sched, config: SimConfig, tally: SimMetrics) 
         decode_run_steps=tally.run_steps,
         host_hit_rate=blocks.host_hits / blocks.prefix_queries if blocks.prefix_queries else 0.0,
         demoted_blocks=blocks.demoted_blocks,
+        admission_prefill_tokens=blocks.prefix_queries - blocks.prefix_hits,
     )
 
 
