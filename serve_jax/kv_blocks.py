@@ -26,6 +26,17 @@ touching them (shared, reference-counted) and skipping their prefill. Shared blo
 written: a request writes only positions past its computed tokens, which lie in blocks of its
 own.
 
+Host cache level (``host_caching``, off by default): the host pool is a second level of the
+same cache, keyed by the same chained hashes. A cached device block freed by its last holder
+(finish or recompute preemption) is *demoted*: copied to a host block (the host's least recently
+used cached block is evicted for it; nothing is demoted when every host block is held), both
+blocks in flight until the copy lands (`take_demotions` hands the copies to the scheduler). An
+admission whose device prefix stops where the host cache goes on *promotes* those blocks
+(`lookup_host`, `take_prefix`): fresh device blocks, registered under the same keys, filled by
+host -> device copies before the step's compute, instead of recomputed. Offloaded victims' full
+blocks are registered in the host cache as well, and stay cached there after their restore, so
+one pool serves offloaded victims and cached prefixes.
+
 Offload of a request moves its device table to freshly allocated host blocks: the device blocks
 become in-flight (released when the copy completes), the host blocks are owned by the request.
 Restore is the mirror image: device blocks are allocated to the request, the host blocks become

@@ -51,7 +51,7 @@ A request that could never fit (prompt plus ``max_tokens`` beyond ``max_model_le
 context limit capped by the device pool) is refused by `Scheduler.add_request` with the reason
 (`Scheduler.admission_error`), so nothing can wait for memory that will never exist.
 
-(At ~530 lines this module is past the stack's ~500: it is one class whose ``schedule`` pass
+(At ~560 lines this module is past the stack's ~500: it is one class whose ``schedule`` pass
 shares the queues, the token budget and the block manager across its four phases; split apart,
 those would be passed around as state. The data types it exchanges live in
 `serve_jax.interface`.)
