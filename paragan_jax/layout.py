@@ -39,6 +39,7 @@ import numpy as np
 from tapas_jax.hardware import HardwareProfile, get_profile
 
 __all__ = [
+    "DTYPE_BYTES",
     "LayoutPlan",
     "TileModel",
     "choose_layout",
@@ -305,7 +306,7 @@ def pad_conv_channels(kernel: jax.Array, bias: jax.Array | None, in_to: int, out
 # --------------------------------------------------------------------------------------------
 # Padding waste from compiled HLO.
 
-_DTYPE_BYTES = {
+DTYPE_BYTES = {
     "pred": 1,
     "s8": 1,
     "u8": 1,
@@ -322,7 +323,7 @@ _DTYPE_BYTES = {
     "c64": 8,
     "c128": 16,
 }
-_SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\](?:\{([\d,]*)[^}]*\})?")
+_SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\](?:\{([\d,]*)[^}]*\})?")
 
 
 def hlo_array_shapes(hlo_text: str) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
@@ -371,7 +372,7 @@ def padding_waste(fn: Callable, *args, tile: TileModel | str = "tpu") -> dict[st
     logical = tiled = 0
     shapes = hlo_array_shapes(text)
     for dt, dims, mtm in shapes:
-        size = _DTYPE_BYTES[dt]
+        size = DTYPE_BYTES[dt]
         logical += int(np.prod(dims)) * size
         tiled += tile.padded_elements([dims[i] for i in mtm], size) * size
     return {

@@ -7,6 +7,13 @@ and bfloat16. Padding waste comes from the compiled HLO priced under the TPU and
 (`paragan_jax.layout.padding_waste`); CPU time is the median of interleaved repetitions;
 the relative error is the largest gradient difference from the NHWC reference over its largest
 value. Settings are `LayoutBenchCommand` (``--config``, flags, ``key=value`` overrides).
+
+``--train-step`` adds the whole synchronous training step (`paragan_jax.steps.make_sync_step`:
+D and G updates and the EMA, compiled for one CPU device, never run) of a DCGAN and a BigGAN on
+32x32 RGB images, priced under the TPU tile model (`train_step_waste`): its tiled bytes, the share
+of the thin full-resolution 3-channel arrays (real and fake images and their gradients), and the
+bound on what space-to-depth could save if real batches came converted from the host and G
+emitted its fakes in that layout at no other cost: those arrays priced as ``(H/2, W/2, 12)``.
 """
 
 from __future__ import annotations
@@ -17,13 +24,33 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tapas_jax.commands import write_json
+from tapas_jax.mesh import make_mesh
 
 from .command_config import command_config_parser, load_command_config
-from .layout import conv_nhwc, conv_s2d, host_space_to_depth, padding_waste
+from .config import load_train_config
+from .layout import (
+    DTYPE_BYTES,
+    TILES,
+    conv_nhwc,
+    conv_s2d,
+    hlo_array_shapes,
+    host_space_to_depth,
+    padding_waste,
+)
+from .state import (
+    StateLayout,
+    batch_struct,
+    graphdefs,
+    init_train_state,
+    make_optimizer,
+    state_shardings,
+)
+from .steps import make_sync_step
 
-__all__ = ["LayoutBenchCommand", "bench", "main"]
+__all__ = ["LayoutBenchCommand", "bench", "main", "train_step_waste"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +63,8 @@ class LayoutBenchCommand:
     """Timed repetitions of each variant (interleaved)."""
     json: str | None = None
     """Write the rows and the backend here."""
+    train_step: bool = False
+    """Also price whole training steps (`train_step_waste`; a few minutes of compiling)."""
 
     def __post_init__(self):
         if self.batch < 1 or self.reps < 1:
@@ -119,6 +148,71 @@ def bench(args: LayoutBenchCommand) -> list[dict]:
     return out
 
 
+def train_step_waste(preset: str, overrides: list[str]) -> dict:
+    """TPU tile model over every array of a compiled sync training step (3-channel images).
+
+    Returns:
+      ``tiled_mib``, ``waste``, ``thin_arrays`` and ``thin_share`` (full-resolution 3-channel
+      arrays: count and share of tiled bytes), ``s2d_bound_mib`` / ``s2d_bound_saving`` (those
+      arrays priced as ``(N, H/2, W/2, 12)``, nothing else changed) and ``arrays``.
+    """
+    cfg = load_train_config(preset, [*overrides, "model.channels=3", "sharding.num_devices=1"])
+    mesh = make_mesh("data=1", jax.devices()[:1])
+    tx_g, tx_d = make_optimizer(cfg.optim_g), make_optimizer(cfg.optim_d)
+    g_def, d_def = graphdefs(cfg)
+    abstract = jax.eval_shape(init_train_state(cfg, tx_g, tx_d))
+    sh = state_shardings(cfg, mesh, abstract, g_def, d_def)
+    batch_sh = NamedSharding(mesh, P(None, "data"))
+    layout = StateLayout(g_def, d_def, tx_g, tx_d, mesh, sh, batch_sh, abstract)
+    r = cfg.model.resolution
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, sh
+    )
+    step = make_sync_step(cfg, layout).lower(state, batch_struct(cfg, layout, (r, r, 3)))
+    tile = TILES["tpu"]
+    logical = tiled = thin = thin_s2d = n_thin = 0
+    shapes = hlo_array_shapes(step.compile().as_text())
+    for dt, dims, mtm in shapes:
+        size = DTYPE_BYTES[dt]
+        t = tile.padded_elements([dims[i] for i in mtm], size) * size
+        logical, tiled = logical + int(np.prod(dims)) * size, tiled + t
+        if len(dims) == 4 and dims[1:3] == (r, r) and dims[mtm[0]] == 3:
+            s2d = (dims[0], r // 2, r // 2, 12)
+            n_thin, thin = n_thin + 1, thin + t
+            thin_s2d += tile.padded_elements([s2d[i] for i in mtm], size) * size
+    bound = tiled - thin + thin_s2d
+    return {
+        "arrays": len(shapes),
+        "tiled_mib": tiled / 2**20,
+        "waste": 1 - logical / tiled,
+        "thin_arrays": n_thin,
+        "thin_share": thin / tiled,
+        "s2d_bound_mib": bound / 2**20,
+        "s2d_bound_saving": 1 - bound / tiled,
+    }
+
+
+_STEP_CASES = {
+    "dcgan 32x32 w32 f32": ["model.arch=dcgan", "model.resolution=32"],
+    "biggan 32x32 w32 f32": ["model.arch=biggan", "model.resolution=32"],
+}
+
+
+def _train_step_rows() -> list[dict]:
+    common = ["model.g_width=32", "model.d_width=32", "data.batch_size=16", "model.z_dim=32"]
+    common.append("model.shared_dim=32")
+    rows = []
+    print(f"{'train step':<22} {'TPU MiB':>9} {'waste':>6} {'thin':>5} {'share':>6} {'bound':>6}")
+    for name, over in _STEP_CASES.items():
+        row = {"case": name, **train_step_waste("tiny", [*over, *common])}
+        rows.append(row)
+        print(
+            f"{name:<22} {row['tiled_mib']:9.2f} {row['waste']:6.1%} {row['thin_arrays']:5d} "
+            f"{row['thin_share']:6.1%} {-row['s2d_bound_saving']:6.1%}"
+        )
+    return rows
+
+
 def main(argv: list[str]) -> int:
     """``python -m paragan_jax layout [--config preset] [--flags] [key=value ...]``."""
     parser = command_config_parser(
@@ -128,5 +222,8 @@ def main(argv: list[str]) -> int:
     )
     cfg = load_command_config(LayoutBenchCommand, parser.parse_intermixed_args(argv[1:]))
     rows = bench(cfg)
-    write_json(cfg.json, {"rows": rows, "backend": jax.default_backend()})
+    out = {"rows": rows, "backend": jax.default_backend()}
+    if cfg.train_step:
+        out["train_step"] = _train_step_rows()
+    write_json(cfg.json, out)
     return 0

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from paragan_jax import layout as L
-from paragan_jax.layout_bench import main as layout_main
+from paragan_jax.layout_bench import main as layout_main, train_step_waste
 
 
 def _rand(shape, seed):
@@ -124,3 +124,13 @@ def test_layout_benchmark_command(tmp_path):
         f32 = {r["layout"]: r for r in rows if r["case"] == case and r["dtype"] == "float32"}
         assert f32["NHWC+s2d"]["tpu_waste"] < f32["NHWC"]["tpu_waste"]
         assert f32["NHWC+s2d"]["grad_max_rel_err"] < 1e-4
+
+
+def test_train_step_waste_counts_the_thin_image_arrays():
+    over = ["model.z_dim=8", "data.batch_size=8"]
+    res = train_step_waste("tiny", over)  # 8x8 RGB DCGAN: real/fake images and their gradients
+    assert res["arrays"] > 50 and res["thin_arrays"] >= 3
+    assert 0 < res["thin_share"] < 1 and 0 < res["waste"] < 1
+    # (N, 8, 8, 3) -> (N, 4, 4, 12): 128 lanes either way, 32 sublane-padded rows instead of 64.
+    assert 0 < res["s2d_bound_saving"] < res["thin_share"]
+    assert res["s2d_bound_mib"] < res["tiled_mib"]
