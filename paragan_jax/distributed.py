@@ -187,6 +187,14 @@ class ProcessPairRunner:
             fakes, labels = self.side.produce(self.state)
         else:
             self.state, self.side = build_d_side(config, mesh)
+            # Compiled here too, so both processes arrive at the first exchange together (gloo
+            # gives a peer 30 s to join a collective; one side's compile must not exceed that).
+            sh = self.side.batch_sharding
+            real = jax.ShapeDtypeStruct((n_disc, b, *image_shape), np.float32, sharding=sh)
+            ys = jax.ShapeDtypeStruct((n_disc, b), np.int32, sharding=sh)
+            self.side.step = compile_step(
+                self.side.step, self.state, {"image": real, "label": ys}, real, ys, name="d_step"
+            )
             fakes, labels = self._zeros
         self.fns = self.side.fns
         self._payload = self._zeros
