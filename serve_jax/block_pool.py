@@ -16,7 +16,6 @@ class BlockAccountingError(RuntimeError):
     """An operation that would break the block invariants (double free, over-allocation, ...)."""
 
 
-
 class BlockPool:
     """A fixed set of reference-counted blocks with an LRU free queue and in-flight copies.
 
@@ -75,8 +74,7 @@ class BlockPool:
         free = self._free
         if n > len(free):
             raise BlockAccountingError(
-                f"{self.name} pool: asked for {n} blocks for {request_id!r}, only "
-                f"{len(free)} free"
+                f"{self.name} pool: asked for {n} blocks for {request_id!r}, only {len(free)} free"
             )
         popitem = free.popitem
         out = [popitem(last=False)[0] for _ in range(n)]

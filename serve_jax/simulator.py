@@ -341,8 +341,7 @@ def simulate(
     )
     capacity = sched.max_model_len
     output_lens = {
-        r.request_id: max(min(r.output_len, capacity - r.prompt_len), 1)
-        for r in workload.requests
+        r.request_id: max(min(r.output_len, capacity - r.prompt_len), 1) for r in workload.requests
     }
     by_max_tokens = config.finish_by == "max_tokens"
     sessions = _session_roots(workload)
@@ -377,9 +376,7 @@ def simulate(
     core.add_observer(feeder)
     for observer in observers:
         core.add_observer(observer)
-    runs = (
-        config.decode_runs and not observers and step_times is None and cost_observations is None
-    )
+    runs = config.decode_runs and not observers and step_times is None and cost_observations is None
     idle_steps = 0
     while feeder.arrivals or sched.has_work():
         feeder.feed(executor.now)

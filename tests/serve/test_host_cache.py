@@ -62,6 +62,7 @@ def test_host_cache_evicts_least_recently_used_and_never_pinned_blocks():
         _computed(mgr, r)
         mgr.free(rid)
         _land(mgr, offloads=mgr.take_demotions())
+
     # Two host blocks: x's block was evicted for z's; y and z are cached.
     def host_hit(i):
         r = Request(f"q{i}", [10 + i, 20 + i, 5], 1, 0.0)
