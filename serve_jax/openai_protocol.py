@@ -248,8 +248,11 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         raise RequestError(400, f"{param or 'body'}: {first['msg']}", param) from None
 
 
-def sampling_params(body: _Sampling, server: ServerSection) -> SamplingParams:
-    """The engine's `SamplingParams` of a request body (no seed: a random one).
+def sampling_params(
+    body: _Sampling, server: ServerSection, default_max_tokens: int = 16
+) -> SamplingParams:
+    """The engine's `SamplingParams` of a request body (no seed: a random one; no max_tokens:
+    ``default_max_tokens``).
 
     Raises:
       RequestError: too many or too long stop strings, too many stop ids, too large ``n``, or a
@@ -280,7 +283,7 @@ def sampling_params(body: _Sampling, server: ServerSection) -> SamplingParams:
         max_tokens, logprobs = body.max_tokens, body.logprobs
     try:
         return SamplingParams(
-            max_tokens=max_tokens or 16,
+            max_tokens=max_tokens or default_max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,

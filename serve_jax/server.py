@@ -279,7 +279,10 @@ def build_app(loop: EngineLoop, config: EngineConfig) -> FastAPI:
         if body.model is not None and body.model != model_name:
             message = f"model {body.model!r} does not exist; serving {model_name!r}"
             raise RequestError(404, message, "model")
-        params = sampling_params(body, config.server)
+        # Without max_tokens a completion gets 16 (OpenAI's legacy default, as vLLM); a chat
+        # reply may run to the end of the context, as OpenAI and vLLM do.
+        default = max(1, engine.max_model_len - len(prompt)) if chat else 16
+        params = sampling_params(body, config.server, default)
         if loop.num_pending >= config.server.max_queue:
             retry = {"Retry-After": str(config.server.retry_after_s)}
             return _error(503, "server is at capacity; retry later", None, "server_busy", retry)

@@ -91,6 +91,18 @@ def test_chat_with_list_of_parts_streamed_and_not(server):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == out.choices[0].message.content
     assert chunks[-1].usage.total_tokens == out.usage.total_tokens
+    # Without max_tokens a chat reply may fill the context (completions default to 16).
+    full = client.chat.completions.create(
+        model=cfg.model.name,
+        messages=[{"role": "user", "content": "hi"}],
+        extra_body={"ignore_eos": True},
+    )
+    assert full.usage.total_tokens == engine.max_model_len
+    assert full.choices[0].finish_reason == "length"
+    short = client.completions.create(
+        model=cfg.model.name, prompt="hi", extra_body={"ignore_eos": True}
+    )
+    assert short.usage.completion_tokens == 16
 
 
 def test_logprobs_in_both_shapes(server):
