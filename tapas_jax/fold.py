@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import warnings
 
 import numpy as np
 
@@ -82,6 +83,35 @@ def _literal_key(lit) -> tuple:
     return ("lit", a.dtype, a.shape, hash(a.tobytes()))
 
 
+def _literal_ids(lits: list) -> np.ndarray:
+    """Equal ids for equal literals (`_literal_key`: dtype and value), numbered densely.
+
+    Literals are scalars, so those of one dtype are read into one array and numbered by
+    `np.unique` (-0.0 equals 0.0 and a NaN equals nothing, as with the keys); a group that is
+    not all scalars is keyed literal by literal.
+    """
+    ids = np.empty(len(lits), dtype=np.int64)
+    # A Python scalar is keyed as the array it converts to, as `_literal_key` does.
+    lits = [x if hasattr(x, "dtype") else np.asarray(x) for x in lits]
+    groups: dict = {}
+    for j, lit in enumerate(lits):
+        groups.setdefault(lit.dtype, []).append(j)
+    n = 0
+    for dtype, where in groups.items():
+        members = [lits[j] for j in where]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # an array of one element: keyed below
+                values = np.fromiter(members, dtype, len(members))
+            _, inverse = np.unique(values, return_inverse=True, equal_nan=False)
+        except (TypeError, ValueError, DeprecationWarning):
+            index: dict[tuple, int] = {}
+            inverse = np.array([index.setdefault(_literal_key(x), len(index)) for x in members])
+        ids[where] = n + inverse
+        n += int(inverse.max(initial=-1)) + 1
+    return ids
+
+
 def graph_hash(graph: Graph) -> int:
     """Structural hash of a whole graph (primitives, shapes, params and wiring)."""
     hashes = local_hashes(graph)
@@ -113,11 +143,8 @@ def local_hashes(graph: Graph) -> np.ndarray:
     code = aval[var]
     lit = np.flatnonzero(var < 0)
     if lit.size:
-        lit_ids: dict[tuple, int] = {}
-        keys = [
-            _literal_key(eqns[i].literals[k]) for i, k in zip(eq[lit].tolist(), pos[lit].tolist())
-        ]
-        code[lit] = [-2 - lit_ids.setdefault(k, len(lit_ids)) for k in keys]
+        lits = [eqns[i].literals[k] for i, k in zip(eq[lit].tolist(), pos[lit].tolist())]
+        code[lit] = -2 - _literal_ids(lits)
     res_eq, res_var, res_pos = graph.result_arrays()
     width_in = int(pos.max(initial=-1)) + 1
     width_out = int(res_pos.max(initial=-1)) + 1
