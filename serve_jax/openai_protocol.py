@@ -272,6 +272,8 @@ def sampling_params(
             f"one has {longest}",
             "stop",
         )
+    if body.stream_options is not None and not body.stream:
+        raise RequestError(400, "stream_options needs stream: true", "stream_options")
     if body.n > server.max_n:
         raise RequestError(400, f"n must be at most {server.max_n}, got {body.n}", "n")
     if isinstance(body, ChatRequest):

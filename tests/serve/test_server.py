@@ -145,6 +145,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "stop_token_ids": list(range(65))}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"bogus": True}}, "stream_options.bogus"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        "stream_options",
+    ),
     ("/v1/completions", b"[1, 2]", None),
     ("/v1/completions", b'{"prompt": ' + b"[" * 100_000, None),  # nested too deeply
     ("/v1/completions", b'{"prompt": "\xff\xfe"}', None),  # not UTF-8
