@@ -201,6 +201,7 @@ class Trainer:
                 (workdir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         loader = self._iterator(position)
         start = runner.step
+        logged: set[tuple[str, int]] = set()  # (eval or grid, step) written during the loop
         bar = tqdm(
             total=total,
             initial=start,
@@ -221,7 +222,7 @@ class Trainer:
             if watch.should_stop(step):
                 return True  # the final save below writes this step
             if workdir is not None and step < total:  # the end of the run does its own
-                self._periodic_eval(step, workdir, writer)
+                logged.update(self._periodic_eval(step, workdir, writer))
             if store is not None and store.should_save(step):
                 store.save(step, runner.checkpoint_tree(), self._meta(position + cfg.n_disc * done))
             return False
@@ -248,10 +249,12 @@ class Trainer:
         grid = None
         if workdir is not None:
             step = runner.step
-            if cfg.eval.every and step % cfg.eval.every == 0 and watch.stopped_at is None:
+            ev = cfg.eval
+            preempted = watch.stopped_at is not None  # leave soon: no evaluation
+            if ev.every and step % ev.every == 0 and ("eval", step) not in logged and not preempted:
                 self.log_eval(step, writer)
             grid = str(workdir / f"samples_step{step}.png")
-            self.sample_grid(grid, writer=writer)
+            self.sample_grid(grid, writer=None if ("grid", step) in logged else writer)
             if writer is not None:
                 writer.close()
         runner.close()
@@ -267,12 +270,16 @@ class Trainer:
             "preempted_at": watch.stopped_at,
         }
 
-    def _periodic_eval(self, step: int, workdir, writer: SummaryWriter | None) -> None:
-        ev = self.config.eval
+    def _periodic_eval(self, step: int, workdir, writer: SummaryWriter | None) -> set:
+        """``eval.every`` / ``eval.sample_every`` at `step`; returns what it wrote."""
+        ev, done = self.config.eval, set()
         if ev.every and step % ev.every == 0:
             self.log_eval(step, writer)
+            done.add(("eval", step))
         if ev.sample_every and step % ev.sample_every == 0:
             self.sample_grid(str(workdir / f"samples_step{step}.png"), writer=writer)
+            done.add(("grid", step))
+        return done
 
     def log_eval(self, step: int, writer: SummaryWriter | None) -> dict[str, float] | None:
         """Scores ``eval.num_samples`` samples of the current generator and writes the metrics

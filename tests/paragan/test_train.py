@@ -223,6 +223,12 @@ def test_periodic_eval_and_sample_grids_go_to_tensorboard(tmp_path):
         "samples_step3.png",
         "samples_step4.png",
     ]
+    # A run stopped by time before `steps`: the end does not repeat what the loop wrote.
+    timed = Trainer(cfg, str(tmp_path / "timed"), progress=False)
+    assert timed.train(seconds=0.0)["step"] == 2
+    (events,) = read_events(tmp_path / "timed" / "tb").values()
+    assert [step for step, _ in events["eval/fd"]] == [2]
+    assert [step for step, _ in events["samples"]] == [2]
 
 
 def test_bench_step_times_the_sync_step_and_counts_params(tmp_path, capsys):
