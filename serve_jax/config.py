@@ -69,6 +69,9 @@ class CacheSection:
     enable_prefix_caching: bool = True
     """Automatic prefix caching (serve_jax.kv_blocks): full pages stay findable by content, so
     a shared, re-sent or resumed prefix is not prefilled again."""
+    host_prefix_caching: bool = False
+    """The host pool as a second prefix-cache level: cached pages evicted from device memory are
+    copied to host pages and promoted back instead of recomputed (needs num_host_blocks > 0)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -212,6 +212,7 @@ class Engine:
             costs=self.costs,
             max_model_len=self.model_config.max_seq_len,
             enable_prefix_caching=cc.enable_prefix_caching,
+            host_prefix_caching=cc.host_prefix_caching,
         )
         built = executor is None
         if built:

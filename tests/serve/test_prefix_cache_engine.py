@@ -47,11 +47,14 @@ def run(
 ):
     cfg = load_engine_config(
         "tiny_cpu",
-        [f"cache.num_device_blocks={num_blocks}", f"cache.enable_prefix_caching={caching}"],
+        [
+            f"cache.num_device_blocks={num_blocks}",
+            f"cache.enable_prefix_caching={caching}",
+            f"cache.host_prefix_caching={host}",  # the host pool as a second cache level
+        ],
     )
     eng = Engine(cfg, model=model)
     eng.scheduler.policy = FcfsLastPolicy(mode)
-    eng.scheduler.blocks.host_caching = host  # the host pool as a second cache level
     ids = [
         eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
         for p, n in zip(prompts, lens)
@@ -115,9 +118,10 @@ def test_host_cache_level_promotes_evicted_prefixes_exactly(model):
     lens = [10] * 5 + [6] * 5
     results = {}
     for host in (False, True):
-        cfg = load_engine_config("tiny_cpu", ["cache.num_device_blocks=16"])
+        cfg = load_engine_config(
+            "tiny_cpu", ["cache.num_device_blocks=16", f"cache.host_prefix_caching={host}"]
+        )
         eng = Engine(cfg, model=model)
-        eng.scheduler.blocks.host_caching = host
         params = SamplingParams(max_tokens=10, ignore_eos=True)
         got = [list(o.token_ids) for o in eng.generate(firsts, params)]
         params = SamplingParams(max_tokens=6, ignore_eos=True)
