@@ -494,6 +494,8 @@ def simulator_config_for_engine(engine_config: Any, **overrides: Any) -> SimConf
         max_num_batched_tokens=sc.max_num_batched_tokens,
         max_model_len=max_len,
         finish_by="max_tokens",
+        enable_prefix_caching=cc.enable_prefix_caching,
+        host_prefix_caching=cc.host_prefix_caching,
     )
     base.update(overrides)
     return SimConfig(**base)

@@ -93,3 +93,14 @@ def test_crosscheck_command(tmp_path):
     rows = json.loads(out.read_text())
     assert [r["policy"] for r in rows] == ["fcfs_last", "predictive"]
     assert all(r["same_preemption_sequence"] and r["completed"] == 6 for r in rows)
+
+
+def test_simulator_config_follows_the_engine_cache_switches():
+    """The cross-check's simulator runs with the engine's prefix-cache settings (it ran with
+    caching on while the engine had it off)."""
+    cfg = load_engine_config(
+        "tiny_cpu", ["cache.enable_prefix_caching=false", "cache.host_prefix_caching=true"]
+    )
+    sim = simulator_config_for_engine(cfg)
+    assert sim.enable_prefix_caching is False and sim.host_prefix_caching is True
+    assert simulator_config_for_engine(load_engine_config("tiny_cpu")).enable_prefix_caching
