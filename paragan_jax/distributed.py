@@ -20,13 +20,24 @@ the one step loop (`paragan_jax.loop.run_steps`, runner `ProcessPairRunner`):
   that exchange for G's fakes, so the two steps overlap in wall-clock time;
 - ``k = 0`` runs D's step, sends the updated D, then G's step: the synchronous schedule.
 
-Process 0 writes ``result.json`` (steps, steps/s) and ``samples.npy`` (EMA generator) into the
-output directory; `run_two_process_async` launches the pair and reads them back.
+Process 0 writes ``result.json`` (steps, steps/s, each side's ``state_sha256``) and
+``samples.npy`` (EMA generator) into the output directory; `run_two_process_async` launches the
+pair and reads them back.
+
+Checkpoints (``run_two_process_async(..., checkpoint=True)``, worker flag ``--checkpoint``): right
+after the exchange of every ``checkpoint.every``-th iteration and at the end (nothing in flight),
+each side packs its host copy (G: its state with the D snapshot; D: its state and the fakes it
+trains on next) into bytes, the two are all-gathered, and both processes save ``{"g", "d"}`` into
+one `paragan_jax.checkpoint.CheckpointStore` under ``<out>/checkpoints`` (every process takes
+part, as Orbax expects; process 0 writes). A rerun restores the newest intact iteration (both
+processes read the same step, so they agree) and continues bit for bit; the data position is
+``iteration * n_disc``.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import socket
@@ -44,6 +55,7 @@ from jax.sharding import Mesh
 from tapas_jax.mesh import make_mesh
 
 from .async_scheme import build_d_side, build_g_side
+from .checkpoint import CheckpointStore, tree_sha256
 from .config import TrainConfig, load_train_config
 from .data import PrefetchLoader, device_batch, load_dataset
 from .loop import grouped, run_steps
@@ -181,6 +193,7 @@ class ProcessPairRunner:
             np.zeros((n_disc, b), np.int32),
         )
         self.t = 0  # iterations done
+        self.store: CheckpointStore | None = None  # shared by both processes (see end_step)
         if self.is_g:
             self.state, self.side = build_g_side(config, mesh)
             self.side.step = compile_step(self.side.step, self.state, name="g_step")
@@ -252,7 +265,45 @@ class ProcessPairRunner:
             *self._payload, stop and self.is_g, with_snapshot=snapshot
         )
         self.t += 1
+        if self.store is not None and (stop or self.store.should_save(self.t)):
+            # Both processes reach here after the same exchange: nothing is in flight.
+            meta = {"step": self.t, "data_position": self.t * self.config.n_disc}
+            self.store.save(self.t, self.checkpoint_tree(), {**meta, "scheme": "async_2proc"})
         return stop
+
+    def _side_tree(self) -> dict[str, Any]:
+        if self.is_g:
+            return {"state": jax.device_get(self.state)}
+        fakes = {"image": np.asarray(self.fakes), "label": np.asarray(self.labels)}
+        return {"state": jax.device_get(self.state), "fakes": fakes}
+
+    def checkpoint_tree(self) -> dict[str, np.ndarray]:
+        """``{"g": bytes, "d": bytes}`` as uint8 arrays, the same in both processes: each side's
+        host tree (`_side_tree`, leaves in tree order, ``np.savez``), all-gathered."""
+        buf = io.BytesIO()
+        np.savez(buf, *jax.tree.leaves(self._side_tree()))
+        mine = np.frombuffer(buf.getvalue(), np.uint8)
+        sizes = multihost_utils.process_allgather(np.int32(mine.size))
+        padded = np.zeros(int(sizes.max()), np.uint8)
+        padded[: mine.size] = mine
+        both = multihost_utils.process_allgather(padded)
+        return {side: both[i, : int(sizes[i])] for i, side in enumerate(("g", "d"))}
+
+    def load_checkpoint_tree(self, tree: dict[str, np.ndarray], step: int) -> None:
+        """Installs this process's side of a restored `checkpoint_tree` of iteration `step`."""
+        with np.load(io.BytesIO(tree["g" if self.is_g else "d"].tobytes())) as z:
+            leaves = [z[f"arr_{i}"] for i in range(len(z.files))]
+        host = jax.tree.unflatten(jax.tree.structure(self._side_tree()), leaves)
+        self.state = jax.device_put(host["state"], self.side.shardings)
+        if not self.is_g:
+            self.fakes, self.labels = host["fakes"]["image"], host["fakes"]["label"]
+        self.t = step
+
+    def state_sha256(self) -> dict[str, str]:
+        """SHA-256 of each side's host tree (`tree_sha256`), from both processes."""
+        digest = np.frombuffer(tree_sha256(self._side_tree()).encode(), np.uint8)
+        got = multihost_utils.process_allgather(digest)
+        return {"g": bytes(got[0]).decode(), "d": bytes(got[1]).decode()}
 
 
 def async_worker(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -264,19 +315,35 @@ def async_worker(args: argparse.Namespace, overrides: list[str]) -> int:
     mesh = make_mesh("data=-1", jax.local_devices())
     dataset = load_dataset(cfg)
     runner = ProcessPairRunner(cfg, mesh, dataset.images.shape[1:])
+    resumed = None
+    if args.checkpoint:
+        runner.store = CheckpointStore(
+            Path(args.out) / "checkpoints", keep=cfg.checkpoint.keep, every=cfg.checkpoint.every
+        )
+        target = runner.checkpoint_tree()  # the shapes of every checkpoint of this config
+        restored = runner.store.restore_latest(target)
+        if restored is not None:
+            runner.load_checkpoint_tree(restored["state"], restored["step"])
+            resumed = restored["step"]
     loader = None
     if not runner.is_g:
-        loader = PrefetchLoader(dataset, cfg.data.batch_size, cfg.data.seed, 0, cfg.data.prefetch)
+        start = runner.t * cfg.n_disc
+        loader = PrefetchLoader(
+            dataset, cfg.data.batch_size, cfg.data.seed, start, cfg.data.prefetch
+        )
     try:
         stats = run_steps(
             runner,
             grouped(loader, cfg.n_disc) if loader is not None else None,
-            args.steps,
+            args.steps - runner.t,
             seconds=args.seconds,
         )
     finally:
         if loader is not None:
             loader.close()
+        if runner.store is not None:
+            runner.store.close()
+    digests = runner.state_sha256()
     if runner.is_g:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -289,7 +356,10 @@ def async_worker(args: argparse.Namespace, overrides: list[str]) -> int:
         )
         np.save(out / "samples.npy", samples)
         result = {
-            "steps": stats.steps,
+            "steps": runner.t,
+            "steps_run": stats.steps,
+            "resumed_from": resumed,
+            "state_sha256": digests,
             "timed_steps": stats.timed_steps,
             "wall_s": stats.wall_s,
             "steps_per_sec": stats.steps_per_sec,
@@ -308,13 +378,23 @@ def run_two_process_async(
     steps: int = 10**9,
     devices_per_process: int = 1,
     timeout_s: float = 600.0,
+    checkpoint: bool = False,
 ) -> dict[str, Any]:
     """Trains the async scheme with G in process 0 and D in process 1; returns its results.
 
+    Args:
+      steps: total iterations to reach (a resumed run continues from its checkpoint).
+      checkpoint: save under ``<out_dir>/checkpoints`` every ``checkpoint.every`` iterations and
+        at the end, and resume from there (see the module doc).
+
     Returns:
-      ``result.json`` of process 0 plus ``samples`` (NumPy array of EMA-generator samples).
+      ``result.json`` of process 0 (``steps``: iterations done in total; ``steps_run`` in this
+      call; ``resumed_from``; ``state_sha256`` of each side) plus ``samples`` (NumPy array of
+      EMA-generator samples).
     """
     args = ["--config", str(preset), "--out", out_dir, "--steps", str(steps)]
+    if checkpoint:
+        args.append("--checkpoint")
     if seconds is not None:
         args += ["--seconds", str(seconds)]
     launch(args + list(overrides), 2, devices_per_process, timeout_s)
@@ -333,6 +413,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="process 0 writes result.json and samples.npy")
     p.add_argument("--steps", type=int, default=10**9)
     p.add_argument("--seconds", type=float)
+    p.add_argument("--checkpoint", action="store_true", help="save and resume (see the doc)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = p.parse_intermixed_args(argv[1:])
     if args.num_processes != 2:
