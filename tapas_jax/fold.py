@@ -309,17 +309,16 @@ def fold_repeated_blocks(graph: Graph, min_period: int = MIN_PERIOD) -> Folding:
     op_eq, op_var, op_pos, _ = graph.operand_arrays()
     read = np.flatnonzero(is_input[op_var])
     _, first = np.unique(op_var[read], return_index=True)
-    for j in read[first].tolist():
-        i, v, k = int(op_eq[j]), int(op_var[j]), int(op_pos[j])
-        r = int(rep_eqn[i])
-        w = eqns[r].invars[k] if r != i else None
-        if (
-            w is not None
-            and is_input[w]
-            and graph.shapes[v] == graph.shapes[w]
-            and graph.dtypes[v] == graph.dtypes[w]
-        ):
-            rep_var[v] = w
+    j = read[first]
+    i, v, k = op_eq[j], op_var[j], op_pos[j]
+    r = rep_eqn[i]
+    # operand k of the representative (equal local hashes: as many operands), by its slot
+    slot_eq, slot_var, _ = graph.operand_slots()
+    w = slot_var[np.searchsorted(slot_eq, r) + k]
+    aval = graph.aval_ids()[0]
+    ok = (r != i) & (w >= 0)
+    ok[ok] = is_input[w[ok]] & (aval[v[ok]] == aval[w[ok]])  # an input of the same aval
+    rep_var[v[ok]] = w[ok]
     for v in graph.inputs:  # representatives map to themselves
         if rep_var[rep_var[v]] != rep_var[v]:
             rep_var[v] = v

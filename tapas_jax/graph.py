@@ -135,9 +135,8 @@ class Graph:
             eq, var, pos = self.operand_slots()
             keep = var >= 0  # literals are -1
             weight = self.eqn_weights()[eq]
-            for i, e in enumerate(self.eqns):
-                if e.operand_weights is not None:
-                    weight[eq == i] *= np.asarray(e.operand_weights, dtype=np.float64)
+            for i in [i for i, e in enumerate(self.eqns) if e.operand_weights is not None]:
+                weight[eq == i] *= np.asarray(self.eqns[i].operand_weights, dtype=np.float64)
             cached = (eq[keep], var[keep], pos[keep], weight[keep])
             self.__dict__["_operands"] = cached
         return cached
