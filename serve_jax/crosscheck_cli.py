@@ -4,8 +4,12 @@ Example (the CPU check of BENCHMARKS.md: 174 requests, long enough for ``predict
 predictor to learn lengths of this scale, so that it preempts too)::
 
     python -m serve_jax crosscheck --config tiny_cpu cache.num_device_blocks=16 \\
-        cache.num_host_blocks=0 --workload reasoning --duration-s 4000 --rate-scale 400 \\
-        --token-scale 0.005 --json engine_tiny.json
+        cache.num_host_blocks=0 cache.enable_prefix_caching=false --workload reasoning \\
+        --duration-s 4000 --rate-scale 400 --token-scale 0.005 --json engine_tiny.json
+
+Prefix caching is off there because at this scale prompts are 1-4 random tokens: two requests
+with the same prompt produce the same greedy tokens and share cached blocks on the engine, which
+the simulator (placeholder tokens, one cache salt per request) cannot know, so the sequences part.
 
 The engine is an `serve_jax.config.EngineConfig` (``--config <preset or .yaml>``, default
 ``tiny_cpu``, and ``key=value`` overrides); the requests come from the workload flags every serve
