@@ -38,6 +38,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from serve_jax.cli_args import (
     add_policy_args,
     add_slo_args,
@@ -90,6 +92,7 @@ def build_parser(prog: str = "simulate") -> argparse.ArgumentParser:
     add_policy_args(p)
     add_slo_args(p, None, None)
     p.add_argument("--json", default=None, help="write the rows here (and a PNG next to it)")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     p.add_argument("--png", default=None, help="PNG path (default: the JSON path with .png)")
     return p
 
@@ -270,7 +273,20 @@ def main(argv: list[str]) -> int:
     )
     results = []
     for name in policies:
-        res = simulate(workload, _make_policy(name, args), config)
+        with tqdm(
+            total=round(workload.duration_s),
+            desc=name,
+            unit="sim s",
+            disable=args.disable_tqdm,
+            leave=False,
+        ) as bar:
+
+            def advance(now: float, bar=bar) -> None:
+                if bar.n < bar.total and now - bar.n >= 1.0:  # whole simulated seconds
+                    bar.update(min(int(now), bar.total) - bar.n)
+
+            progress = None if args.disable_tqdm else advance
+            res = simulate(workload, _make_policy(name, args), config, progress=progress)
         results.append(res)
     _print_table(results)
     ratios = _ratios(results)

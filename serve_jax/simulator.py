@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -289,6 +289,7 @@ def simulate(
     observers: Sequence[StepObserver] = (),
     costs: Any = None,
     cost_observations: Sequence[tuple | None] | None = None,
+    progress: Callable[[float], None] | None = None,
 ) -> SimulationResult:
     """Runs ``workload`` under ``policy`` with the real scheduler and a simulated executor.
 
@@ -298,6 +299,8 @@ def simulate(
       config: model, chip, memory sizes, scheduler limits and metric settings.
       step_times: replay these step durations instead of the roofline (engine agreement).
       observers: more `StepObserver` s, called after every step (after the simulator's own).
+      progress: called with the simulated time (s) before every step or run of steps (a
+        progress bar; unlike an observer it keeps runs of quiet decodes on).
       costs: cost hints the policy sees instead of the roofline (e.g. a copy of the engine's
         `MeasuredCostHints` as it was before a replay).
       cost_observations: arguments of ``costs.observe`` after each executed step, replayed in
@@ -379,6 +382,8 @@ def simulate(
     runs = config.decode_runs and not observers and step_times is None and cost_observations is None
     idle_steps = 0
     while feeder.arrivals or sched.has_work():
+        if progress is not None:
+            progress(executor.now)
         feeder.feed(executor.now)
         if not sched.has_work():  # (demotions may still be copying after the last finish)
             if feeder.arrivals:  # (everything fed so far may have been refused)

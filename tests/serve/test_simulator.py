@@ -50,6 +50,17 @@ def test_simulation_is_deterministic():
     assert a.row()["p99_tpot_ms"] == b.row()["p99_tpot_ms"]
 
 
+def test_progress_sees_simulated_time_advance_and_changes_nothing():
+    seen = []
+    a = simulate(small_workload(), "predictive", TINY)
+    b = simulate(small_workload(), "predictive", TINY, progress=seen.append)
+    assert a.preemption_log == b.preemption_log
+    ra, rb = a.row(), b.row()
+    ra.pop("sim_wall_s"), rb.pop("sim_wall_s")
+    assert ra == rb
+    assert len(seen) > 1 and seen == sorted(seen) and seen[-1] > seen[0]
+
+
 def test_replaying_step_times_gives_the_same_preemptions():
     # The engine-agreement mode: feed a run's step durations back as measured step times.
     cfg = SimConfig(kv_memory_gb=0.1, host_memory_gb=1.0, max_num_batched_tokens=256,
