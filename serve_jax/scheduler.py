@@ -483,10 +483,7 @@ class Scheduler:
         running_status = RequestStatus.RUNNING
         bs = self.block_size
         cache_computed = self.blocks.cache_computed if self.blocks.enable_prefix_caching else None
-        # The base hook does nothing; skip a call per token when the policy keeps it.
-        on_tokens = self.policy.on_tokens
-        if getattr(on_tokens, "__func__", None) is VictimPolicy.on_tokens:
-            on_tokens = None
+        on_tokens = self.tokens_hook()
         every = self.policy.on_tokens_every
         for chunks in (scheduler_output.prefills, scheduler_output.decodes):
             for chunk in chunks:
@@ -505,22 +502,38 @@ class Scheduler:
                 if rid not in sampled:
                     raise ValueError(f"executor returned no token for {rid!r}")
                 token = int(sampled[rid])
-                output = req.output_token_ids
-                output.append(token)
-                req.token_times.append(now)
                 if req.first_token_time is None:
                     req.first_token_time = now
-                status = None
-                if token in req.stop_token_ids:
-                    status = RequestStatus.FINISHED_STOPPED
-                elif len(output) >= req.max_tokens:
-                    status = RequestStatus.FINISHED_LENGTH
-                if on_tokens is not None and len(output) % every == 0:
-                    on_tokens(req, now)
-                if status is not None:
-                    self.finish_request(rid, status, now)
-                events.append(RequestEvent(rid, (token,), status is not None, req.status))
+                done = self.append_token(req, token, now, on_tokens, every)
+                events.append(RequestEvent(rid, (token,), done, req.status))
         return events
+
+    def tokens_hook(self):
+        """The policy's ``on_tokens``, or None when it keeps the base hook (which does
+        nothing), so callers skip a call per token."""
+        on_tokens = self.policy.on_tokens
+        if getattr(on_tokens, "__func__", None) is VictimPolicy.on_tokens:
+            return None
+        return on_tokens
+
+    def append_token(self, req: Request, token: int, now: float, on_tokens, every: int) -> bool:
+        """Appends one sampled token at ``now``, calls ``on_tokens`` (from `tokens_hook`)
+        every ``every`` tokens and finishes the request on a stop token or at max_tokens;
+        returns whether it finished. Shared by `update_from_output` and the simulator's
+        quiet decode runs (`serve_jax.sim_runs`)."""
+        output = req.output_token_ids
+        output.append(token)
+        req.token_times.append(now)
+        status = None
+        if token in req.stop_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif len(output) >= req.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if on_tokens is not None and len(output) % every == 0:
+            on_tokens(req, now)
+        if status is not None:
+            self.finish_request(req.request_id, status, now)
+        return status is not None
 
     # ---- introspection -------------------------------------------------------------------
     def check_invariants(self) -> None:

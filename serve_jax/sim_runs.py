@@ -29,7 +29,6 @@ Steps that are not quiet (an arrival, a prefill, a preemption, a copy) run throu
 from __future__ import annotations
 
 from serve_jax.core import EngineCore
-from serve_jax.interface import RequestStatus, VictimPolicy
 from serve_jax.sim_executor import TOKEN, SimulatedExecutor
 from serve_jax.sim_metrics import SimMetrics
 
@@ -158,9 +157,7 @@ def _apply(
             else:
                 req.num_computed_tokens = computed[i] + j + 1
                 cache_computed(req)
-    on_tokens = policy.on_tokens
-    if getattr(on_tokens, "__func__", None) is VictimPolicy.on_tokens:
-        on_tokens = None
+    on_tokens = sched.tokens_hook()
     every = policy.on_tokens_every
     now = ends[bulk - 1]
     bulk_ends = ends[:bulk]
@@ -175,19 +172,8 @@ def _apply(
     finished: list[str] = []
     if last_finishes:
         now = ends[-1]
+        append_token = sched.append_token
         for req in list(running):
-            output = req.output_token_ids
-            token = executor.sampled_token(req)
-            output.append(token)
-            req.token_times.append(now)
-            status = None
-            if token in req.stop_token_ids:
-                status = RequestStatus.FINISHED_STOPPED
-            elif len(output) >= req.max_tokens:
-                status = RequestStatus.FINISHED_LENGTH
-            if on_tokens is not None and len(output) % every == 0:
-                on_tokens(req, now)
-            if status is not None:
-                sched.finish_request(req.request_id, status, now)
+            if append_token(req, executor.sampled_token(req), now, on_tokens, every):
                 finished.append(req.request_id)
     return finished
