@@ -23,12 +23,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-from scipy.ndimage import zoom
 
 from tapas_jax.commands import write_json
 
 from .command_config import command_config_parser, load_command_config
-from .data import IMAGE_EXTS, DataError, read_image
+from .data import IMAGE_EXTS, DataError, read_image, resize_uint8
 from .shards import ShardWriter
 
 __all__ = ["PrepareCommand", "main", "prepare"]
@@ -86,16 +85,8 @@ def convert(images: np.ndarray, resolution: int, channels: int) -> np.ndarray:
             images = np.rint(images.mean(axis=-1, keepdims=True)).astype(np.uint8)
         else:
             raise DataError(f"cannot convert {c} channels to {channels}")
-    n, h, w, _ = images.shape
-    if resolution and (h, w) != (resolution, resolution):
-        x = zoom(
-            images.astype(np.float32),
-            (1, resolution / h, resolution / w, 1),
-            order=1,
-            grid_mode=True,
-            mode="nearest",
-        )
-        images = np.clip(np.rint(x), 0, 255).astype(np.uint8)
+    if resolution:
+        images = resize_uint8(images, resolution)
     return images
 
 
