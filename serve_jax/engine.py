@@ -402,7 +402,8 @@ class Engine:
             for out in self.step():
                 if out.finished:
                     final[out.request_id, out.index] = out
-        return [final[key] for key in sorted(final, key=lambda k: (ids.index(k[0]), k[1]))]
+        order = {rid: i for i, rid in enumerate(ids)}
+        return [final[key] for key in sorted(final, key=lambda k: (order[k[0]], k[1]))]
 
     def stats(self) -> dict[str, float]:
         """Queue lengths, free pages, preemptions, generated tokens (for /metrics)."""
