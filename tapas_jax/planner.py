@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from .constraints import SpecList, constrained
 from .cost import Lowered, build_problem
-from .fold import fold_repeated_blocks, no_folding
+from .fold import Folding, fold_repeated_blocks, no_folding
 from .graph import Graph, build_graph
 from .hardware import HardwareProfile, get_profile
 from .search import MemoryInfeasibleError, solve
@@ -259,12 +259,14 @@ def lower(
     batch_axis: str | None = "data",
     fsdp: bool = False,
     graph: Graph | None = None,
+    folding: Folding | None = None,
 ) -> tuple[Lowered, float]:
-    """Traces (unless ``graph`` is given), folds and lowers; returns the lowered problem and the
-    seconds spent folding and lowering."""
+    """Traces (unless ``graph`` is given), folds (unless ``folding`` of it is given) and lowers;
+    returns the lowered problem and the seconds spent folding and lowering."""
     graph = build_graph(fn, params, *inputs) if graph is None else graph
     t0 = time.perf_counter()
-    folding = fold_repeated_blocks(graph) if fold else no_folding(graph)
+    if folding is None:
+        folding = fold_repeated_blocks(graph) if fold else no_folding(graph)
     hw = get_profile(hardware)
     axes = {k: int(v) for k, v in dict(mesh.shape).items()}
     lowered = build_problem(
@@ -387,6 +389,10 @@ def plan(
     hw = get_profile(hardware)
     limit = hw.hbm_bytes if memory_limit_bytes is None else float(memory_limit_bytes)
     graph = build_graph(fn, params, *inputs)
+    t0 = time.perf_counter()
+    # Folded once: the FSDP retry below lowers the same graph again.
+    folding = fold_repeated_blocks(graph) if fold else no_folding(graph)
+    fold_seconds = time.perf_counter() - t0
     common = dict(
         mesh=mesh,
         hardware=hw,
@@ -394,8 +400,10 @@ def plan(
         optimizer_state_factor=optimizer_state_factor,
         batch_axis=batch_axis,
         graph=graph,
+        folding=folding,
     )
     lowered, search_seconds = lower(fn, params, *inputs, fsdp=bool(fsdp), **common)
+    search_seconds += fold_seconds
     t0 = time.perf_counter()
     try:
         result = solve(lowered.problem, limit, time_limit)
