@@ -132,7 +132,8 @@ def test_tight_memory_shards_more(gpt_small, mesh_2x4, gpt_plan):
         )
         assert tight.predicted["peak_memory_bytes"] <= 0.9 * roomy
         assert tight.predicted["step_seconds"] >= roomy_plan.predicted["step_seconds"]
-    assert not fsdp or roomy_plan.predicted["step_seconds"] <= gpt_plan.predicted["step_seconds"]
+    # the larger (FSDP) space, the last searched, is never costlier than the default's plan
+    assert roomy_plan.predicted["step_seconds"] <= gpt_plan.predicted["step_seconds"]
 
 
 def test_axes_that_do_not_divide_are_never_chosen(mesh_2x4):
