@@ -100,14 +100,15 @@ IGNORED_FIELDS = frozenset(
 
 
 class RequestError(Exception):
-    """A request the server refuses: HTTP ``status`` and the OpenAI error fields."""
+    """A request the server refuses: HTTP ``status`` and the OpenAI error fields (``kind``
+    None: `error_body` picks it from the status)."""
 
     def __init__(
         self, status: int, message: str, param: str | None = None, kind: str | None = None
     ):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.kind = kind or _KINDS.get(status, "invalid_request_error")
+        self.kind = kind
 
 
 _KINDS = {404: "not_found_error", 413: "invalid_request_error", 503: "server_busy"}
