@@ -54,6 +54,22 @@ def _inputs(batch, seq_len, vocab):
     return make
 
 
+def _config(layers, embed_dim, heads, kv_heads, head_dim, hidden, vocab) -> dict:
+    """The `TransformerConfig` fields both Gemmas share (each adds its own attention types)."""
+    return dict(
+        num_layers=layers,
+        num_embed=vocab,
+        embed_dim=embed_dim,
+        hidden_dim=hidden,
+        num_heads=heads,
+        head_dim=head_dim,
+        num_kv_heads=kv_heads,
+        final_logit_softcap=None,
+        use_post_attn_norm=True,
+        use_post_ffw_norm=True,
+    )
+
+
 def gemma_linen(
     layers=2,
     embed_dim=64,
@@ -67,16 +83,7 @@ def gemma_linen(
 ) -> ZooModel:
     """The Linen Gemma (google-deepmind/gemma), tiny, as an SGD training step."""
     config = linen_transformer.TransformerConfig(
-        num_layers=layers,
-        num_embed=vocab,
-        embed_dim=embed_dim,
-        hidden_dim=hidden,
-        num_heads=heads,
-        head_dim=head_dim,
-        num_kv_heads=kv_heads,
-        final_logit_softcap=None,
-        use_post_attn_norm=True,
-        use_post_ffw_norm=True,
+        **_config(layers, embed_dim, heads, kv_heads, head_dim, hidden, vocab),
         attention_types=(linen_modules.AttentionType.GLOBAL,) * layers,
         max_cache_length=None,
     )
@@ -113,16 +120,7 @@ def gemma_nnx(
 ) -> ZooModel:
     """The NNX Gemma (google/flax examples/gemma), tiny, as an SGD training step."""
     config = nnx_cfg.TransformerConfig(
-        num_layers=layers,
-        num_embed=vocab,
-        embed_dim=embed_dim,
-        hidden_dim=hidden,
-        num_heads=heads,
-        head_dim=head_dim,
-        num_kv_heads=kv_heads,
-        final_logit_softcap=None,
-        use_post_attn_norm=True,
-        use_post_ffw_norm=True,
+        **_config(layers, embed_dim, heads, kv_heads, head_dim, hidden, vocab),
         attention_types=(nnx_cfg.AttentionType.GLOBAL,) * layers,
     )
 
