@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .async_scheme import build_d_side, build_g_side
 from .config import TrainConfig
+from .data import device_batch
 from .steps import compile_step, stack_batches
 
 __all__ = ["GroupAsyncRunner"]
@@ -184,9 +185,7 @@ class GroupAsyncRunner:
             self.state, fakes, labels, metrics = self.side.step(self.state)
             self._exchange(fakes, labels, snapshot)
         else:
-            sh = self.side.batch_sharding
-            stacked = stack_batches(batches)
-            batch = {k: jax.make_array_from_process_local_data(sh, v) for k, v in stacked.items()}
+            batch = device_batch(stack_batches(batches), self.side.batch_sharding, local=True)
             self.state, metrics = self.side.step(self.state, batch, self.fakes, self.labels)
             self._exchange(None, None, snapshot)
         self.t += 1
