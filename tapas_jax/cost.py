@@ -445,11 +445,10 @@ def build_problem(
     aval = graph.aval_ids()[0].tolist()
     read_var, rest = np.divmod(uniq_keys, n_eqns * n_pos)
     read_eqn, read_pos = np.divmod(rest, n_pos)
-    for w, r, kk, c in zip(
-        read_var.tolist(), read_eqn.tolist(), read_pos.tolist(), counts.tolist()
-    ):
+
+    def charge(w: int, n: int, c: float, dst_uniq, dst_idx) -> None:
+        """Prices reading variable `w` `c` times in the layouts `dst_uniq`[`dst_idx`] of node n."""
         src_uniq, src_idx = table[w]
-        dst_uniq, dst_idx = req[(r, kk)]
         rkey = (id(src_uniq), id(dst_uniq), aval[w])
         small = resharding.get(rkey, _MISSING)
         if small is _MISSING:
@@ -457,9 +456,9 @@ def build_problem(
                 costs, src_uniq, dst_uniq, shapes[w], dtypes[w].itemsize
             )
         if small is None:  # no layout pair costs anything
-            continue
+            return
         t_small, b_small = small
-        u, n = owner[w], leader[r]
+        u = owner[w]
         if u == n:
             t_read = t_small[src_idx, dst_idx]
             if t_read.any():  # a node mostly reads its own results in the layout it wrote
@@ -469,6 +468,11 @@ def build_problem(
             rows, cols = src_idx[:, None], dst_idx[None, :]
             prob.add_edge(u, n, c * t_small[rows, cols], c * b_small[rows, cols])
 
+    for w, r, kk, c in zip(
+        read_var.tolist(), read_eqn.tolist(), read_pos.tolist(), counts.tolist()
+    ):
+        charge(w, leader[r], c, *req[(r, kk)])
+
     # A training step's next call reads its params in the layout this call wrote them: that
     # reshard is part of the step (without it, writing updated params in another layout than
     # they are read, e.g. left split over the data axis after a reduce-scatter, looks free).
@@ -476,19 +480,8 @@ def build_problem(
     for v_out, v_in in _loop_pairs(graph, param_arg):
         loop[(rep_var[v_out], rep_var[v_in])] += 1
     for (w, p), c in loop.items():
-        if w == p or w not in owner:
-            continue
-        (src_uniq, src_idx), (dst_uniq, dst_idx) = table[w], table[p]
-        small = _reshard_table(costs, src_uniq, dst_uniq, shapes[w], dtypes[w].itemsize)
-        if small is None:
-            continue
-        u, n = owner[w], owner[p]
-        if u == n:
-            prob.comm[u] += c * small[0][src_idx, dst_idx]
-            prob.comm_bytes[u] += c * small[1][src_idx, dst_idx]
-            continue
-        rows, cols = src_idx[:, None], dst_idx[None, :]
-        prob.add_edge(u, n, c * small[0][rows, cols], c * small[1][rows, cols])
+        if w != p and w in owner:
+            charge(w, owner[p], c, *table[p])
 
     # Memory: params (+ optimizer state) and the activations live at the peak.
     mem_vars: Counter = Counter()
