@@ -366,7 +366,22 @@ class ShardImages:
     def __getitem__(self, index) -> np.ndarray:
         if isinstance(index, tuple):
             raise TypeError("ShardImages takes one index (int, slice or index array)")
-        idx = np.arange(self.shape[0])[index]
+        n = self.shape[0]
+        if isinstance(index, slice):  # (no O(n) index array per batch: only what is asked)
+            idx = np.arange(*index.indices(n))
+        else:
+            idx = np.asarray(index)
+            if idx.size == 0 and idx.dtype != bool:  # ([] is float64 to NumPy, an int index)
+                idx = idx.astype(np.intp)
+            if idx.dtype == bool:
+                if idx.shape != (n,):
+                    raise IndexError(f"boolean index of shape {idx.shape} for {n} images")
+                idx = np.flatnonzero(idx)
+            elif not np.issubdtype(idx.dtype, np.integer):
+                raise IndexError(f"ShardImages index must be integers, got {idx.dtype}")
+            if idx.size and (idx.min() < -n or idx.max() >= n):
+                raise IndexError(f"index out of range for {n} images")
+            idx = np.where(idx < 0, idx + n, idx)
         if np.ndim(idx) == 0:
             return self.storage.read(np.array([int(idx)]))["image"][0]
         if len(idx) == 0:

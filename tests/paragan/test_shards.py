@@ -207,6 +207,14 @@ def test_trainer_on_shards_reads_the_batches_of_the_same_data_in_memory(tmp_path
         sets[source] = load_dataset(cfgs[source])
         assert sets[source].images.dtype == np.uint8 and len(sets[source]) == m["count"] == 1797
     assert isinstance(sets["shards"].images, ShardImages)
+    lazy, dense = sets["shards"].images, sets["npy"].images
+    mask = np.zeros(len(dense), bool)
+    mask[[3, 500, 1796]] = True
+    for index in (5, -1, slice(10, 40, 7), slice(None, None, -300), [4, -2, 4], mask, []):
+        np.testing.assert_array_equal(lazy[index], dense[index])  # NumPy's indexing meaning
+    for bad in (1797, [0, -1798], mask[:-1], [0.5]):
+        with pytest.raises(IndexError):
+            lazy[bad]
     for i in (0, 111, 112):  # 112 batches of 16 an epoch
         a, b = batch_at(sets["shards"], 16, 3, i), batch_at(sets["npy"], 16, 3, i)
         np.testing.assert_array_equal(a["image"], b["image"])
