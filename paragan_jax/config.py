@@ -163,6 +163,10 @@ class EvalConfig:
     """Sample grid to TensorBoard and PNG every N steps (0 = only at the end)."""
     grid_rows: int = 8
     """Rows (and columns) of the sample grid."""
+    reference_size: int = 10000
+    """Real examples the metrics compare against (and their feature classifier trains on) with
+    ``data.source=shards``: a fixed sample of the whole data set, read by process 0 only. The
+    in-memory sources use all their examples."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +275,7 @@ def validate_config(config: TrainConfig) -> None:
         "checkpoint.keep": config.checkpoint.keep,
         "async_.buffer_size": config.async_.buffer_size,
         "eval.num_samples": config.eval.num_samples,
+        "eval.reference_size": config.eval.reference_size,
     }
     for key, value in positive.items():
         if value < 1:

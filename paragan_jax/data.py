@@ -22,7 +22,8 @@ host batch with its sharding and maps uint8 images to float32 in [-1, 1] there;
 `as_float_images` is the same map on the host (metrics of real images).
 
 The loader is deterministic: batch ``i`` is a pure function of ``(seed, i)`` (epoch ``i // nb``
-is a fresh permutation seeded by ``[seed, epoch]``; the last incomplete batch of an epoch is
+is a fresh permutation seeded by ``[seed, epoch]`` of which the first `Dataset.epoch_size`
+examples are served, all of them by default; the last incomplete batch of an epoch is
 dropped). The data position saved in checkpoints is simply the next batch index, so a resumed run
 reads exactly the batches an uninterrupted one would. `PrefetchLoader` prepares batches on a
 background thread; it is the default implementation of the trainer's batch-iterator seam
@@ -79,6 +80,7 @@ class Dataset:
     num_classes: int
     modes: np.ndarray | None = None  # (M, 2) mixture centres
     mode_std: float = 0.0
+    epoch_size: int | None = None  # examples served per epoch (None: all); see `batch_at`
 
     @property
     def is_mixture(self) -> bool:
@@ -252,8 +254,8 @@ def _to_dataset(name, arr, labels, resolution, channels, num_classes) -> Dataset
     return Dataset(name, _resize(arr, resolution), labels, num_classes)
 
 
-def _shards(path: str, resolution: int, channels: int) -> Dataset:
-    storage = ShardedStorage(path)
+def _shards(path: str, resolution: int, channels: int, process: tuple[int, int]) -> Dataset:
+    storage = ShardedStorage(path, *process)
     h, w, c = storage.image_shape
     if (h, w, c) != (resolution, resolution, channels):
         raise DataError(
@@ -262,7 +264,13 @@ def _shards(path: str, resolution: int, channels: int) -> Dataset:
             f"{channels})"
         )
     name = f"shards:{path.rstrip('/').rsplit('/', 1)[-1]}"
-    return Dataset(name, ShardImages(storage), storage.labels, max(storage.num_classes, 1))
+    return Dataset(
+        name,
+        ShardImages(storage),
+        storage.labels,
+        max(storage.num_classes, 1),
+        epoch_size=storage.epoch_size,
+    )
 
 
 def _npy(path: str, resolution: int, channels: int) -> Dataset:
@@ -301,8 +309,15 @@ def _npy(path: str, resolution: int, channels: int) -> Dataset:
     )
 
 
-def load_dataset(config: TrainConfig) -> Dataset:
+def load_dataset(config: TrainConfig, process_index: int = 0, process_count: int = 1) -> Dataset:
     """Loads the real samples a config asks for, checking them before any training step.
+
+    Args:
+      config: the run config.
+      process_index, process_count: with ``data.source=shards``, load only the shards of process
+        `process_index` of `process_count` (`paragan_jax.shards.ShardedStorage`); it must hold at
+        least its share of a batch (``data.batch_size // process_count``) per epoch. Other
+        sources are always loaded whole.
 
     Raises:
       DataError: unreadable directory, images of mixed sizes, wrong channel count or range.
@@ -319,10 +334,16 @@ def load_dataset(config: TrainConfig) -> Dataset:
     elif d.source == "npy":
         ds = _npy(d.path, m.resolution, m.channels)
     elif d.source == "shards":
-        ds = _shards(d.path, m.resolution, m.channels)
+        ds = _shards(d.path, m.resolution, m.channels, (process_index, process_count))
     else:
         raise DataError(f"data.source={d.source!r} is not known")
-    if len(ds) < d.batch_size:
+    per_epoch = len(ds) if ds.epoch_size is None else ds.epoch_size
+    if process_count > 1 and per_epoch < d.batch_size // process_count:
+        raise DataError(
+            f"{ds.name}: process {process_index} serves {per_epoch} samples an epoch, fewer than "
+            f"its share of data.batch_size={d.batch_size} ({d.batch_size // process_count})"
+        )
+    if process_count == 1 and per_epoch < d.batch_size:
         raise DataError(f"{ds.name}: {len(ds)} samples, fewer than data.batch_size={d.batch_size}")
     if m.num_classes and int(ds.labels.max()) >= m.num_classes:
         raise DataError(
@@ -335,7 +356,7 @@ def load_dataset(config: TrainConfig) -> Dataset:
 def batch_at(dataset: Dataset, batch_size: int, seed: int, index: int) -> Batch:
     """Batch number `index` of the deterministic shuffled stream (see the module docstring)."""
     n = len(dataset)
-    per_epoch = n // batch_size
+    per_epoch = (n if dataset.epoch_size is None else dataset.epoch_size) // batch_size
     epoch, k = divmod(index, per_epoch)
     perm = np.random.default_rng([seed, epoch]).permutation(n)
     idx = perm[k * batch_size : (k + 1) * batch_size]

@@ -402,8 +402,9 @@ def trainer_batch_iterator_factory(
     """A ``batch_iterator_factory`` for `paragan_jax.train.Trainer` backed by this pipeline.
 
     The batches are exactly those of the trainer's default loader (`paragan_jax.data.batch_at`:
-    permutation seeded by ``(seed, epoch)``, full batches only), so checkpoints resume the same
-    way; only how they are fetched changes (adaptive workers and depth, memory cap).
+    permutation seeded by ``(seed, epoch)``, the data set's ``epoch_size`` first examples of it,
+    full batches only), so checkpoints resume the same way; only how they are fetched changes
+    (adaptive workers and depth, memory cap).
 
     Args:
       config: pipeline settings (batch size, seed, shuffle and remainder are taken from the
@@ -420,9 +421,10 @@ def trainer_batch_iterator_factory(
         storage: Storage = InMemoryStorage({"image": dataset.images, "label": dataset.labels})
         if wrap_storage is not None:
             storage = wrap_storage(storage)
-        per_epoch = len(storage) // batch_size
+        size = len(storage) if dataset.epoch_size is None else dataset.epoch_size
+        per_epoch = size // batch_size
         if per_epoch < 1:
-            raise ValueError(f"data set of {len(storage)} examples is smaller than one batch")
+            raise ValueError(f"data set of {size} examples is smaller than one batch")
         cfg = dataclasses.replace(
             base,
             batch_size=batch_size,
@@ -432,6 +434,7 @@ def trainer_batch_iterator_factory(
             num_workers=min(max(base.num_workers, base.min_workers), base.max_workers),
         )
         epoch, k = divmod(start, per_epoch)
-        return InputPipeline(storage, cfg, process_index=0, process_count=1).batches(epoch, k)
+        pipe = InputPipeline(storage, cfg, 0, 1, epoch_size=dataset.epoch_size)
+        return pipe.batches(epoch, k)
 
     return factory

@@ -18,7 +18,9 @@ Multi-host: with several processes joined by `jax.distributed` (a TPU pod slice,
 ``python -m paragan_jax train --num-processes N`` on one machine) every process runs the same
 Trainer on the global mesh and takes part in every checkpoint save and restore, while only process
 0 writes TensorBoard events, ``config.yaml``, sample grids, the progress bar and the lock file
-(`paragan_jax.workdir`). The workdir may be ``gs://bucket/run``. A SIGTERM stops the run at a step
+(`paragan_jax.workdir`). With ``data.source=shards`` each process reads only its own shards and
+feeds its share of the global batch (`paragan_jax.train_data`, which also says what the metrics
+compare against). The workdir may be ``gs://bucket/run``. A SIGTERM stops the run at a step
 boundary agreed by all processes; the final checkpoint is saved at that step and ``train``
 returns ``preempted_at`` (the CLI exits 0; rerunning the command resumes there).
 
@@ -47,11 +49,12 @@ from tapas_jax.mesh import make_mesh
 from .async_scheme import AsyncRunner, check_async_mesh
 from .checkpoint import CheckpointStore, as_path, tree_sha256
 from .config import TrainConfig, validate_config
-from .data import PrefetchLoader, load_dataset
+from .data import Dataset, PrefetchLoader
 from .loop import grouped, run_steps
 from .metrics import evaluate_samples, load_or_train_classifier, render_samples, write_png
 from .state import check_batch_divides
 from .steps import SyncRunner, sample_images
+from .train_data import load_train_data, reference_dataset
 from .workdir import PreemptionWatch, WorkdirLock, is_primary, prepare_workdir
 
 __all__ = ["BatchIteratorFactory", "Trainer"]
@@ -90,7 +93,6 @@ class Trainer:
         self.config = config
         self.workdir = workdir
         self.progress = progress
-        self.dataset = load_dataset(config)
         if devices is None:
             devices = jax.devices()
             if config.sharding.num_devices:
@@ -112,21 +114,33 @@ class Trainer:
             check_async_mesh(config, self.mesh)
         else:
             check_batch_divides(config, self.mesh)
+        self.data = load_train_data(
+            config, self.mesh, jax.process_index(), jax.process_count(), config.scheme == "sync"
+        )
+        self.dataset = self.data.dataset
         self.batch_iterator_factory = batch_iterator_factory
         self.runner = None
+        self._reference: Dataset | None = None  # the metrics' real examples, at the first eval
         self._classifier = None  # the metrics' feature classifier, loaded at the first eval
 
     def _make_runner(self):
         shape = self.dataset.images.shape[1:]
         if self.config.scheme == "async":
             return AsyncRunner(self.config, self.mesh, shape)
-        return SyncRunner(self.config, self.mesh, shape)
+        return SyncRunner(self.config, self.mesh, shape, local_batches=self.data.local)
 
     def _iterator(self, start: int):
-        c = self.config.data
+        d = self.data
         if self.batch_iterator_factory is not None:
-            return self.batch_iterator_factory(self.dataset, c.batch_size, c.seed, start)
-        return PrefetchLoader(self.dataset, c.batch_size, c.seed, start, c.prefetch)
+            return self.batch_iterator_factory(d.dataset, d.batch_size, d.seed, start)
+        return PrefetchLoader(d.dataset, d.batch_size, d.seed, start, self.config.data.prefetch)
+
+    def reference(self) -> Dataset:
+        """The real examples the metrics compare against (`paragan_jax.train_data`), read at
+        the first call."""
+        if self._reference is None:
+            self._reference = reference_dataset(self.config, self.dataset)
+        return self._reference
 
     def _meta(self, position: int) -> dict[str, Any]:
         return {
@@ -288,9 +302,10 @@ class Trainer:
         samples = self.samples()
         if not is_primary():
             return None
-        if self._classifier is None and not self.dataset.is_mixture:
-            self._classifier = load_or_train_classifier(self.dataset)[0]
-        out = evaluate_samples(samples, self.dataset, classifier=self._classifier)
+        real = self.reference()
+        if self._classifier is None and not real.is_mixture:
+            self._classifier = load_or_train_classifier(real)[0]
+        out = evaluate_samples(samples, real, classifier=self._classifier)
         out = {k: float(v) for k, v in out.items() if k != "classifier_accuracy"}
         if writer is not None:
             for k, v in out.items():
@@ -346,5 +361,5 @@ class Trainer:
 
     def evaluate(self, n: int | None = None) -> dict[str, Any]:
         """Offline metrics of the current generator (see `paragan_jax.metrics`)."""
-        out = evaluate_samples(self.samples(n), self.dataset)
+        out = evaluate_samples(self.samples(n), self.reference())
         return {"step": self.runner.step, **out}
