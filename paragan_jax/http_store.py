@@ -13,8 +13,9 @@ What makes it a *congested* store, `CongestionModel`:
   bandwidth than the link has;
 - per-request latency before the first byte, log-normal around ``base_latency_s`` (shape
   ``jitter_sigma``);
-- congestion episodes (`paragan_jax.storage.CongestionEpisodes`, seeded; or forced with
-  `ObjectServer.set_congestion`): while congested the latency is ``latency_factor`` times longer
+- congestion episodes (`paragan_jax.storage.CongestionEpisodes`, seeded; or forced), kept by
+  the `paragan_jax.storage.CongestionSwitch` the emulated store uses too
+  (``ObjectServer.congestion``): while congested the latency is ``latency_factor`` times longer
   and only ``bandwidth_share`` of the aggregate bandwidth is left to this client (other tenants
   take the rest).
 
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .storage import CongestionEpisodes
+from .storage import CongestionEpisodes, CongestionSwitch
 
 __all__ = ["CongestionModel", "ObjectServer", "TokenBucket"]
 
@@ -200,7 +201,7 @@ class ObjectServer:
     """Serves `root` on ``http://127.0.0.1:<port>/`` from a background thread.
 
     Use as a context manager (``with ObjectServer(dir, model) as srv: srv.url``), or `start` /
-    `close`. Episodes count from `start` (or `restart_episodes`).
+    `close`. Episodes count from `start` (or ``congestion.restart``).
 
     Args:
       root: directory whose files are served (paths below it only).
@@ -221,15 +222,16 @@ class ObjectServer:
         if not self.root.is_dir():
             raise FileNotFoundError(f"cannot serve {str(root)!r}: not a directory")
         self.model = model or CongestionModel()
-        self.episodes = episodes if episodes is not None else self.model.episodes(3600.0)
-        self._forced: bool | None = None if congested else False
+        self.congestion = CongestionSwitch(
+            episodes if episodes is not None else self.model.episodes(3600.0),
+            forced=None if congested else False,
+        )
         self.bucket = TokenBucket(self.model.bandwidth_bytes_per_s)
         self._lock = threading.Lock()
         self._requests = 0
         self._in_flight = 0
         self.counters = {"requests": 0, "bytes": 0, "max_in_flight": 0}
         self.top_dirs_requested: set[str] = set()  # first path component of every request
-        self._t0 = time.perf_counter()
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -246,7 +248,7 @@ class ObjectServer:
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
         )
         self._thread.start()
-        self.restart_episodes()
+        self.congestion.restart()
         return self
 
     def close(self) -> None:
@@ -263,22 +265,6 @@ class ObjectServer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- congestion ------------------------------------------------------------------------
-    def restart_episodes(self, episodes: CongestionEpisodes | None = None) -> None:
-        """Episodes count from now (optionally new ones)."""
-        if episodes is not None:
-            self.episodes = episodes
-        self._t0 = time.perf_counter()
-
-    def set_congestion(self, congested: bool | None) -> None:
-        """Forces congested (True) or clean (False); None returns to the episodes."""
-        self._forced = congested
-
-    def congested_now(self) -> bool:
-        if self._forced is not None:
-            return self._forced
-        return self.episodes.congested_at(time.perf_counter() - self._t0)
-
     # ---- per request (called from handler threads) ------------------------------------------
     def begin_request(self, path: str = "/") -> tuple[int, bool]:
         with self._lock:
@@ -288,7 +274,7 @@ class ObjectServer:
             self._in_flight += 1
             self.counters["requests"] = self._requests
             self.counters["max_in_flight"] = max(self.counters["max_in_flight"], self._in_flight)
-        return n, self.congested_now()
+        return n, self.congestion.congested_now()
 
     def end_request(self) -> None:
         with self._lock:

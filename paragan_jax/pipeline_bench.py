@@ -49,7 +49,7 @@ from .layout import choose_layout, stem_conv
 from .loop import grouped, run_steps
 from .pipeline import InputPipeline
 from .pipeline_control import PipelineConfig
-from .pipeline_stores import EmulatedStoreControl, HttpStoreControl, fixed_sweep, serve_shards
+from .pipeline_stores import RunCongestion, fixed_sweep, serve_shards
 from .storage import (
     CongestionEpisodes,
     EmulatedRemoteStorage,
@@ -300,7 +300,7 @@ def bench_pipeline(cfg: BenchPipelineCommand) -> dict:
                 seed=cfg.seed,
             )
             server, storage = serve_shards(f"{tmp}/shards", images, labels, model)
-            control = HttpStoreControl(server)
+            control = RunCongestion(server.congestion)
             bandwidth = cfg.bandwidth_mb_s * 1e6
         else:
             write_local_dataset(tmp, {"image": images, "label": labels})
@@ -310,7 +310,7 @@ def bench_pipeline(cfg: BenchPipelineCommand) -> dict:
                 base_latency_s=base,
                 congestion_factor=args.congestion_factor,
             )
-            control = EmulatedStoreControl(storage)
+            control = RunCongestion(storage.congestion)
             bandwidth = storage.bandwidth
         try:
             clean_latency = base + storage.example_nbytes() / bandwidth

@@ -1,10 +1,11 @@
 """The stores ``bench-pipeline`` runs against, how it congests them, and its fixed-setting sweep.
 
-- `EmulatedStoreControl`: the seeded latency model (`paragan_jax.storage.EmulatedRemoteStorage`);
-  a run's congestion episodes are set before its warmup and count from its timed start.
-- `serve_shards` + `HttpStoreControl`: the data set written as shards (`paragan_jax.shards`)
-  behind the loopback object server (`paragan_jax.http_store`), read through real sockets; the
-  server is clean during a run's warmup, then follows the run's episodes from its timed start.
+- `RunCongestion`: congestion of either store for one run (the seeded latency model of
+  `paragan_jax.storage.EmulatedRemoteStorage`, or the loopback server below; both keep it in a
+  `paragan_jax.storage.CongestionSwitch`): clean during the run's warmup, then the run's
+  episodes from its timed start.
+- `serve_shards`: the data set written as shards (`paragan_jax.shards`) behind the loopback
+  object server (`paragan_jax.http_store`), read through real sockets.
 - `fixed_sweep`: the fixed ``(workers, depth)`` settings the HTTP bench tries under the same
   congestion, so that the fixed baseline is the best of a sweep rather than one guess.
 """
@@ -18,41 +19,28 @@ import numpy as np
 
 from .http_store import CongestionModel, ObjectServer
 from .shards import ShardedStorage, write_shards
-from .storage import CongestionEpisodes, EmulatedRemoteStorage
+from .storage import CongestionEpisodes, CongestionSwitch
 
-__all__ = ["EmulatedStoreControl", "HttpStoreControl", "fixed_sweep", "serve_shards"]
-
-
-class EmulatedStoreControl:
-    """Congestion of the emulated store for one run: `prepare` before its warmup, `start` when
-    its timed part begins (episodes count from there)."""
-
-    def __init__(self, storage: EmulatedRemoteStorage):
-        self.storage = storage
-
-    def prepare(self, episodes: CongestionEpisodes | None) -> None:
-        self.storage.episodes = episodes
-
-    def start(self) -> None:
-        self.storage.start()
+__all__ = ["RunCongestion", "fixed_sweep", "serve_shards"]
 
 
-class HttpStoreControl:
-    """Congestion of the loopback server for one run: clean through the warmup, then the run's
-    episodes from `start` (or clean throughout when there are none)."""
+class RunCongestion:
+    """Congestion of a store (its `CongestionSwitch`) for one run: `prepare` before the warmup
+    (clean through it), `start` when the timed part begins (the run's episodes count from there;
+    clean throughout when there are none)."""
 
-    def __init__(self, server: ObjectServer):
-        self.server = server
+    def __init__(self, switch: CongestionSwitch):
+        self.switch = switch
         self._episodes: CongestionEpisodes | None = None
 
     def prepare(self, episodes: CongestionEpisodes | None) -> None:
         self._episodes = episodes
-        self.server.set_congestion(False)
+        self.switch.set_congestion(False)
 
     def start(self) -> None:
         if self._episodes is not None:
-            self.server.restart_episodes(self._episodes)
-            self.server.set_congestion(None)
+            self.switch.restart(self._episodes)
+            self.switch.set_congestion(None)
 
 
 def serve_shards(

@@ -15,7 +15,8 @@ Two backends share one interface (`Storage`): ``fetch(index) -> Example`` and ``
   * congestion episodes in wall-clock time: a two-state (clean / congested) process whose
     durations are exponential with seeded means; while congested every fetch is
     ``congestion_factor`` times slower. Episodes can also be given as an explicit schedule, or
-    forced with `EmulatedRemoteStorage.set_congestion` (tests);
+    forced (tests); a `CongestionSwitch` keeps that state, the same one the loopback HTTP store
+    of `paragan_jax.http_store` uses;
   * self-congestion: past ``concurrency_knee`` fetches in flight, every fetch slows in proportion
     (a shared link), so unbounded parallelism is not free.
 
@@ -42,6 +43,7 @@ import numpy as np
 
 __all__ = [
     "CongestionEpisodes",
+    "CongestionSwitch",
     "EmulatedRemoteStorage",
     "Example",
     "FetchStats",
@@ -208,6 +210,43 @@ class CongestionEpisodes:
         return covered / horizon_s if horizon_s > 0 else 0.0
 
 
+class CongestionSwitch:
+    """Whether a store is congested now: its episodes, counted from the last `restart`, unless
+    forced. Shared by the emulated store and the loopback HTTP store.
+
+    Args:
+      episodes: congested intervals (None: never congested unless forced).
+      forced: True or False to force the state from the start (None: follow the episodes).
+      clock: time source (monotonic seconds).
+    """
+
+    def __init__(
+        self,
+        episodes: CongestionEpisodes | None = None,
+        forced: bool | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.episodes = episodes
+        self._forced = forced
+        self._clock = clock
+        self._t0 = clock()
+
+    def restart(self, episodes: CongestionEpisodes | None = None) -> None:
+        """Episodes count from now (optionally new ones)."""
+        if episodes is not None:
+            self.episodes = episodes
+        self._t0 = self._clock()
+
+    def set_congestion(self, congested: bool | None) -> None:
+        """Forces congested (True) or clean (False); None returns to the episodes."""
+        self._forced = congested
+
+    def congested_now(self) -> bool:
+        if self._forced is not None:
+            return self._forced
+        return self.episodes is not None and self.episodes.congested_at(self._clock() - self._t0)
+
+
 class EmulatedRemoteStorage:
     """EMULATION of a remote object store: a seeded latency model in front of a real backend.
 
@@ -220,8 +259,8 @@ class EmulatedRemoteStorage:
       spike_prob: probability that a fetch hits a latency spike.
       spike_latency_s: extra latency of a spike.
       congestion_factor: latency multiplier while congested.
-      episodes: congested intervals in wall-clock seconds since `start` (None: never, unless
-        forced with `set_congestion`).
+      episodes: congested intervals in wall-clock seconds since the switch's last restart (None:
+        never, unless forced); ``congestion`` (a `CongestionSwitch`) holds them.
       concurrency_knee: fetches in flight the store serves without slowing down; past it every
         fetch is slowed by ``in_flight / knee``.
       clock: time source (monotonic seconds); `sleep`: how the delay is spent. Both injectable.
@@ -261,12 +300,9 @@ class EmulatedRemoteStorage:
         self.spike_prob = spike_prob
         self.spike_latency_s = spike_latency_s
         self.congestion_factor = congestion_factor
-        self.episodes = episodes
+        self.congestion = CongestionSwitch(episodes, clock=clock)
         self.concurrency_knee = concurrency_knee
-        self._clock = clock
         self._sleep = sleep
-        self._t0 = clock()
-        self._forced: bool | None = None
         self._lock = threading.Lock()
         self._in_flight = 0
         self._attempts: dict[int, int] = {}
@@ -281,19 +317,6 @@ class EmulatedRemoteStorage:
 
     def example_nbytes(self) -> int:
         return self.backend.example_nbytes()
-
-    def start(self) -> None:
-        """Restarts the episode clock (episodes are relative to this moment)."""
-        self._t0 = self._clock()
-
-    def set_congestion(self, congested: bool | None) -> None:
-        """Forces the store congested (True) or clean (False); None returns to the episodes."""
-        self._forced = congested
-
-    def congested_now(self) -> bool:
-        if self._forced is not None:
-            return self._forced
-        return self.episodes is not None and self.episodes.congested_at(self._clock() - self._t0)
 
     def emulated_delay(
         self, index: int, attempt: int, nbytes: int, congested: bool, in_flight: int
@@ -319,7 +342,8 @@ class EmulatedRemoteStorage:
             in_flight = self._in_flight
         try:
             nbytes = self.backend.example_nbytes()
-            delay = self.emulated_delay(index, attempt, nbytes, self.congested_now(), in_flight)
+            congested = self.congestion.congested_now()
+            delay = self.emulated_delay(index, attempt, nbytes, congested, in_flight)
             self._sleep(delay)
             ex = self.backend.fetch(index)
         finally:

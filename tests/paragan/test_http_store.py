@@ -62,7 +62,7 @@ def test_connections_share_one_bandwidth_and_congestion_takes_a_share(tmp_path):
     with ObjectServer(tmp_path, model, congested=False) as srv:
         one = _download(srv, 1, 16)  # 0.8 MB at 5 MB/s: >= 0.16 s
         eight = _download(srv, 8, 2)  # the same bytes over 8 connections: no faster in total
-        srv.set_congestion(True)
+        srv.congestion.set_congestion(True)
         congested = _download(srv, 8, 2)  # half the bandwidth left: >= 0.32 s
     assert one >= 0.14 and eight >= 0.14 and congested >= 0.28, (one, eight, congested)
 
@@ -74,10 +74,10 @@ def test_latency_jitter_and_episodes_are_seeded():
     assert draws == [ObjectServer(".", model).first_byte_delay(n, False) for n in range(200)]
     assert np.median(draws) == pytest.approx(0.01, rel=0.2) and np.std(np.log(draws)) > 0.3
     assert srv.first_byte_delay(7, True) == pytest.approx(4 * srv.first_byte_delay(7, False))
-    srv.restart_episodes(CongestionEpisodes(((0.0, 3600.0),)))
-    assert srv.congested_now()
-    srv.set_congestion(False)
-    assert not srv.congested_now()
+    srv.congestion.restart(CongestionEpisodes(((0.0, 3600.0),)))
+    assert srv.congestion.congested_now()
+    srv.congestion.set_congestion(False)
+    assert not srv.congestion.congested_now()
     with pytest.raises(ValueError, match="bandwidth_share"):
         CongestionModel(bandwidth_share=0.0)
 

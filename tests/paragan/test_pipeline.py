@@ -43,7 +43,7 @@ def test_no_example_lost_or_repeated_with_emulated_store_and_three_hosts():
     store = EmulatedRemoteStorage(
         InMemoryStorage(data), seed=1, base_latency_s=0.0005, spike_prob=0.1, spike_latency_s=0.003
     )
-    store.set_congestion(True)
+    store.congestion.set_congestion(True)
     cfg = PipelineConfig(batch_size=8, num_workers=3, prefetch_depth=2, control_interval=1)
     seen = []
     for host in range(3):
@@ -191,11 +191,11 @@ def test_adaptive_pipeline_tracks_congestion_within_memory_cap():
             next(it)
             time.sleep(0.01)  # the training step
 
-    store.set_congestion(True)
+    store.congestion.set_congestion(True)
     run(45)
     congested_depth, congested_workers = pipe.controller.depth, pipe.controller.workers
     assert congested_depth > cfg.prefetch_depth and congested_workers > cfg.num_workers
-    store.set_congestion(False)
+    store.congestion.set_congestion(False)
     run(90)
     assert pipe.controller.depth < congested_depth
     assert pipe.controller.workers < congested_workers
@@ -320,3 +320,28 @@ def test_bench_pipeline_over_http_sweeps_fixed_settings(tmp_path):
     assert len(swept) == 2 and data["best_fixed_congested"] == max(swept)
     assert 0 < data["peak_buffer_bytes"] <= data["memory_cap_bytes"]
     assert data["server"]["requests"] >= data["details"]["clean_fixed"]["steps"] * 32
+
+
+def test_a_run_is_clean_through_its_warmup_then_follows_its_episodes_on_either_store(tmp_path):
+    from paragan_jax.http_store import ObjectServer
+    from paragan_jax.pipeline_stores import RunCongestion
+
+    now = [0.0]
+    emulated = EmulatedRemoteStorage(InMemoryStorage(_dataset(10)), clock=lambda: now[0])
+    with ObjectServer(tmp_path) as server:
+        for switch in (emulated.congestion, server.congestion):
+            run = RunCongestion(switch)
+            run.prepare(CongestionEpisodes(((0.0, 3600.0),)))
+            assert not switch.congested_now()  # the warmup
+            run.start()
+            assert switch.congested_now()
+            run.prepare(None)
+            run.start()
+            assert not switch.congested_now()  # a clean run stays clean
+    now[0] = 10.0
+    emulated.congestion.set_congestion(None)  # back to the episodes
+    emulated.congestion.restart(CongestionEpisodes(((5.0, 6.0),)))  # counted from the restart
+    now[0] = 15.5
+    assert emulated.congestion.congested_now()
+    now[0] = 16.5
+    assert not emulated.congestion.congested_now()
