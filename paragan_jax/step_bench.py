@@ -6,8 +6,9 @@ A step is what `paragan_jax.steps.SyncRunner.run_step` does: the host batch onto
 the updated D, and the G EMA. The step runs through the one step loop
 (`paragan_jax.loop.run_steps` with ``block_each_step``), which waits for every step and records
 its wall and process CPU time; the first (compiling) step and ``--warmup`` more are left out. The
-real batches come from a pool made before timing (``--pool`` loader batches of the config's data
-set, cycled), so no loader thread runs beside the step.
+config, devices, mesh, data and runner are a `paragan_jax.train.Trainer`'s (``make_runner``), so
+the step timed is the one a run takes. The real batches come from a pool made before timing
+(``--pool`` loader batches of the run's data, cycled), so no loader thread runs beside the step.
 
 ``scripts/torch_gan_baseline.py`` builds the same G and D in PyTorch and times its step the same
 way; given ``--paragan-python`` it runs this command in alternating pairs with its own timing::
@@ -31,12 +32,12 @@ import numpy as np
 
 from tapas_jax.commands import command_parser, write_json
 from tapas_jax.config import ConfigError
-from tapas_jax.mesh import make_mesh
 
 from .config import TrainConfig, load_train_config
-from .data import batch_at, load_dataset
+from .data import batch_at
 from .loop import run_steps
 from .steps import SyncRunner
+from .train import Trainer
 
 __all__ = ["main", "param_counts", "step_bench"]
 
@@ -57,27 +58,22 @@ def step_bench(config: TrainConfig, steps: int, warmup: int, pool: int = 8) -> d
         raise ConfigError(f"scheme={config.scheme!r}: bench-step times the sync step")
     if steps < 1 or warmup < 0 or pool < 1:
         raise ConfigError("--steps and --pool must be >= 1, --warmup >= 0")
-    devices = jax.devices()
-    if config.sharding.num_devices:
-        if config.sharding.num_devices > len(devices):
-            raise ConfigError(
-                f"sharding.num_devices={config.sharding.num_devices} but only {len(devices)} "
-                "devices are visible"
-            )
-        devices = devices[: config.sharding.num_devices]
-    ds = load_dataset(config)
-    runner = SyncRunner(config, make_mesh(config.sharding.mesh, devices), ds.images.shape[1:])
-    b, n, seed = config.data.batch_size, config.n_disc, config.data.seed
-    batches = [[batch_at(ds, b, seed, n * i + j) for j in range(n)] for i in range(pool)]
+    trainer = Trainer(config, None, progress=False)  # validates; the run's devices and data
+    runner = trainer.make_runner()
+    d, n = trainer.data, config.n_disc
+    batches = [
+        [batch_at(d.dataset, d.batch_size, d.seed, n * i + j) for j in range(n)]
+        for i in range(pool)
+    ]
     stats = run_steps(runner, itertools.cycle(batches), 1 + warmup + steps, block_each_step=True)
     wall = stats.step_times[1 + warmup :]
     cpu = stats.cpu_times[1 + warmup :]
     median = statistics.median(wall)
     return {
         "config": config.name,
-        "batch": b,
+        "batch": config.data.batch_size,
         "n_disc": n,
-        "devices": len(devices),
+        "devices": trainer.mesh.devices.size,
         "cpu_threads": len(os.sched_getaffinity(0)),
         **param_counts(runner),
         "compile_s": stats.compile_s,

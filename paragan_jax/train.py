@@ -4,8 +4,8 @@ The Trainer picks a runner for the config's scheme (`paragan_jax.steps.SyncRunne
 `paragan_jax.async_scheme.AsyncRunner`; both build their state with `paragan_jax.state`) and
 drives it with the one step loop, `paragan_jax.loop.run_steps`; this module adds only what a run
 around the loop needs: resume from the newest checkpoint, TensorBoard scalars, a progress bar,
-periodic and final checkpoints, sample grids and offline metrics. Nothing else in the package
-imports it.
+periodic and final checkpoints, sample grids and offline metrics. Only the commands use it
+(``train``, ``eval``, ``bench``; ``bench-step`` times the step of `Trainer.make_runner`).
 
 Evaluation during training: every ``eval.every`` steps the (EMA) generator draws
 ``eval.num_samples`` samples (the same latents each time) and `paragan_jax.metrics` scores them
@@ -123,7 +123,9 @@ class Trainer:
         self._reference: Dataset | None = None  # the metrics' real examples, at the first eval
         self._classifier = None  # the metrics' feature classifier, loaded at the first eval
 
-    def _make_runner(self):
+    def make_runner(self) -> SyncRunner | AsyncRunner:
+        """A fresh runner of the config's scheme on the Trainer's mesh, fed this process's
+        batches (what `train` and `restore` use; ``bench-step`` times its steps)."""
         shape = self.dataset.images.shape[1:]
         if self.config.scheme == "async":
             return AsyncRunner(self.config, self.mesh, shape)
@@ -197,7 +199,7 @@ class Trainer:
         cfg = self.config
         total = cfg.steps if steps is None else steps
         primary = is_primary()
-        self.runner = runner = self._make_runner()
+        self.runner = runner = self.make_runner()
         store = writer = None
         position, resumed = 0, None
         if workdir is not None:
@@ -346,7 +348,7 @@ class Trainer:
         ckpt = as_path(self.workdir) / "checkpoints" if self.workdir else None
         if ckpt is None or not ckpt.is_dir():
             raise FileNotFoundError(f"no checkpoints under {self.workdir!r}")
-        self.runner = self._make_runner()
+        self.runner = self.make_runner()
         store = CheckpointStore(ckpt)
         restored = self._restore_into(store)
         store.close()

@@ -2,6 +2,7 @@
 the one step loop."""
 
 import ast
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from paragan_jax.async_scheme import AsyncRunner
 from paragan_jax.config import load_train_config
 from paragan_jax.data import PrefetchLoader, batch_at, load_dataset
 from paragan_jax.loop import grouped, run_steps
+from paragan_jax.step_bench import step_bench
 from paragan_jax.steps import SyncRunner
 from paragan_jax.train import Trainer
 from tapas_jax.config import ConfigError
@@ -243,3 +245,14 @@ def test_bench_step_times_the_sync_step_and_counts_params(tmp_path, capsys):
     assert (res["g_params"], res["d_params"]) == (450, 337)
     assert main(["bench-step", *args, "scheme=async"]) == 2
     assert "bench-step times the sync step" in capsys.readouterr().err
+    cfg = load_train_config("tiny", [*RING, "sharding.num_devices=1"])
+    with pytest.raises(ConfigError, match="eval.num_samples=0"):  # validated like a run
+        step_bench(
+            dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, num_samples=0)), 1, 0
+        )
+    with pytest.raises(ConfigError, match="num_devices=64 but only 8"):  # the run's devices
+        step_bench(
+            dataclasses.replace(cfg, sharding=dataclasses.replace(cfg.sharding, num_devices=64)),
+            1,
+            0,
+        )
