@@ -262,7 +262,6 @@ class BatchStream(Iterator[Example]):
             examples=iv["examples"],
             fetch_latency_s=float(window.mean()) if window.size else 0.0,
             full_fraction=iv["full"] / iv["steps"],
-            fetches=fetches,
             fetch_latency_p95_s=float(np.percentile(window, 95)) if window.size else 0.0,
         )
         with self._lock:
@@ -281,7 +280,7 @@ class BatchStream(Iterator[Example]):
                 "time_s": now - p.t_start,
                 "workers": workers,
                 "depth": p.controller.depth,
-                "wait_frac": obs.wait_s / max(obs.wall_s, 1e-9),
+                "wait_frac": obs.wait_fraction,
                 "fetch_latency_s": obs.fetch_latency_s,
             }
         )

@@ -109,10 +109,19 @@ class Observation:
     """Mean recent fetch latency."""
     full_fraction: float
     """Fraction of ``next()`` calls that found the window's ready batches at depth - 1 or more."""
-    fetches: int = 0
-    """Fetches completed by the storage (its throughput is ``fetches / wall_s``)."""
     fetch_latency_p95_s: float = 0.0
     """95th percentile of the recent fetch latencies (0: unknown; the mean stands in)."""
+
+    @property
+    def wait_fraction(self) -> float:
+        """Share of the interval the consumer waited for input."""
+        return self.wait_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def demand_rate(self) -> float:
+        """Examples the consumer takes per second while it is not waiting (what input must
+        keep up with; the storage's own throughput is lower while it starves the consumer)."""
+        return self.examples / max(self.wall_s - self.wait_s, 1e-9)
 
 
 class AimdController:
@@ -137,13 +146,12 @@ class AimdController:
 
     def needed_workers(self, obs: Observation) -> float:
         """Little's law: fetches in flight = consumption rate (when not waiting) x latency."""
-        busy = max(obs.wall_s - obs.wait_s, 1e-9)
-        return obs.examples / busy * obs.fetch_latency_s
+        return obs.demand_rate * obs.fetch_latency_s
 
     def update(self, obs: Observation) -> tuple[int, int]:
         """One decision; returns the new ``(workers, depth)``."""
         cfg = self.config
-        wait_frac = obs.wait_s / obs.wall_s if obs.wall_s > 0 else 0.0
+        wait_frac = obs.wait_fraction
         target = math.ceil(self.needed_workers(obs) * cfg.headroom)
         workers, depth = self.workers, self.depth
         if wait_frac > cfg.wait_high:
@@ -161,9 +169,8 @@ class AimdController:
         # The window must hold the fetches the need calls for plus one ready batch; a shallower
         # window would cap concurrency below it. It must also cover the tail: a batch waits for
         # its slowest fetch, so the batches ahead of the consumer hold rate x p95 latency.
-        busy = max(obs.wall_s - obs.wait_s, 1e-9)
         tail = max(obs.fetch_latency_p95_s, obs.fetch_latency_s)
-        tail_slots = obs.examples / busy * tail * cfg.headroom
+        tail_slots = obs.demand_rate * tail * cfg.headroom
         slots = max(min(target, workers), tail_slots)
         floor = max(cfg.min_depth, math.ceil(slots / cfg.batch_size) + 1)
         depth = int(min(max(depth, floor), self.max_depth))
