@@ -55,6 +55,7 @@ __all__ = [
     "PrefetchLoader",
     "as_float_images",
     "batch_at",
+    "convert_channels",
     "device_batch",
     "gaussian_mixture",
     "load_dataset",
@@ -146,6 +147,24 @@ def resize_uint8(images: np.ndarray, size: int, chunk: int = 256) -> np.ndarray:
     return np.concatenate(out)
 
 
+def convert_channels(images: np.ndarray, channels: int, where: str = "images") -> np.ndarray:
+    """(N, H, W, C) images with `channels` channels: grey repeated to RGB, RGB averaged to grey
+    (rounded back to uint8 for uint8 images); unchanged when they already have that many.
+
+    Raises:
+      DataError: another conversion (`where` names the images in the message).
+    """
+    c = images.shape[-1]
+    if c == channels:
+        return images
+    if c == 1 and channels == 3:
+        return np.repeat(images, 3, axis=-1)
+    if c == 3 and channels == 1:
+        grey = images.mean(axis=-1, keepdims=True)
+        return np.rint(grey).astype(np.uint8) if images.dtype == np.uint8 else grey
+    raise DataError(f"{where}: images have {c} channels; cannot make {channels} of them")
+
+
 def _resize(images: np.ndarray, size: int) -> np.ndarray:
     n, h, w, c = images.shape
     if (h, w) == (size, size):
@@ -235,16 +254,7 @@ def _to_dataset(name, arr, labels, resolution, channels, num_classes) -> Dataset
         raise DataError(f"{name}: images must be (N, H, W[, C]); got shape {arr.shape}")
     if arr.shape[1] != arr.shape[2]:
         raise DataError(f"{name}: images must be square; got {arr.shape[1]}x{arr.shape[2]}")
-    if arr.shape[-1] != channels:
-        if arr.shape[-1] == 1 and channels == 3:
-            arr = np.repeat(arr, 3, axis=-1)
-        elif arr.shape[-1] == 3 and channels == 1:
-            grey = arr.mean(axis=-1, keepdims=True)
-            arr = np.rint(grey).astype(np.uint8) if arr.dtype == np.uint8 else grey
-        else:
-            raise DataError(
-                f"{name}: images have {arr.shape[-1]} channels; model.channels={channels}"
-            )
+    arr = convert_channels(arr, channels, f"{name} (model.channels={channels})")
     labels = labels.astype(np.int32)
     if arr.dtype == np.uint8:  # stays uint8 on the host
         return Dataset(name, resize_uint8(arr, resolution), labels, num_classes)

@@ -27,7 +27,7 @@ import numpy as np
 from tapas_jax.commands import write_json
 
 from .command_config import command_config_parser, load_command_config
-from .data import IMAGE_EXTS, DataError, read_image, resize_uint8
+from .data import IMAGE_EXTS, DataError, convert_channels, read_image, resize_uint8
 from .shards import ShardWriter
 
 __all__ = ["PrepareCommand", "main", "prepare"]
@@ -77,14 +77,8 @@ def convert(images: np.ndarray, resolution: int, channels: int) -> np.ndarray:
     """(n, H, W[, C]) uint8 -> (n, R, R, C') uint8: channels then a bilinear resize."""
     if images.ndim == 3:
         images = images[..., None]
-    c = images.shape[-1]
-    if channels and c != channels:
-        if c == 1:
-            images = np.repeat(images, 3, axis=-1)
-        elif c == 3:
-            images = np.rint(images.mean(axis=-1, keepdims=True)).astype(np.uint8)
-        else:
-            raise DataError(f"cannot convert {c} channels to {channels}")
+    if channels:
+        images = convert_channels(images, channels, f"--channels {channels}")
     if resolution:
         images = resize_uint8(images, resolution)
     return images

@@ -235,3 +235,17 @@ def test_trainer_trains_on_shards_with_uint8_batches(tmp_path):
     cfg = load_train_config("tiny", ["data.source=shards", f"data.path={tmp_path / 'sh'}"])
     summary = Trainer(cfg, str(tmp_path / "run"), progress=False).train(steps=2)
     assert summary["step"] == 2 and all(np.isfinite(v) for v in summary["metrics"].values())
+
+
+def test_channel_conversion_of_uint8_and_float_images():
+    from paragan_jax.data import convert_channels
+
+    rgb = np.array([[[[10, 11, 13], [0, 0, 1]]]], np.uint8)  # (1, 1, 2, 3)
+    assert convert_channels(rgb, 1).tolist() == [[[[11], [0]]]]  # 34/3 and 1/3, rounded
+    assert convert_channels(rgb, 1).dtype == np.uint8 and convert_channels(rgb, 3) is rgb
+    floats = rgb.astype(np.float32) / 255
+    np.testing.assert_allclose(convert_channels(floats, 1)[..., 0], floats.mean(axis=-1))
+    grey = rgb[..., :1]
+    assert convert_channels(grey, 3).tolist() == [[[[10, 10, 10], [0, 0, 0]]]]
+    with pytest.raises(DataError, match="npy:x: images have 2 channels; cannot make 3"):
+        convert_channels(rgb[..., :2], 3, "npy:x")
