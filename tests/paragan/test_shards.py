@@ -13,7 +13,7 @@ from paragan_jax.data import DataError
 from paragan_jax.http_store import CongestionModel, ObjectServer
 from paragan_jax.pipeline import InputPipeline
 from paragan_jax.pipeline_control import PipelineConfig
-from paragan_jax.prepare import PrepareCommand, convert, prepare
+from paragan_jax.prepare import PrepareCommand, prepare
 from paragan_jax.shards import ShardedStorage, read_manifest, write_shards
 
 
@@ -83,6 +83,22 @@ def test_pipeline_over_shards_is_deterministic_and_resumes_exactly(tmp_path):
     assert full[:5] != full[5:10]  # a fresh permutation each epoch
 
 
+def _bilinear(img: np.ndarray, size: int) -> np.ndarray:
+    """By hand: bilinear resize with half-pixel centres and clamped edges, rounded to uint8."""
+    h, w, _ = img.shape
+
+    def taps(n_in):
+        x = np.clip((np.arange(size) + 0.5) * n_in / size - 0.5, 0, n_in - 1)
+        lo = np.floor(x).astype(int)
+        return lo, np.minimum(lo + 1, n_in - 1), x - lo
+
+    (y0, y1, wy), (x0, x1, wx) = taps(h), taps(w)
+    f = img.astype(np.float64)
+    rows = f[y0] * (1 - wy)[:, None, None] + f[y1] * wy[:, None, None]
+    out = rows[:, x0] * (1 - wx)[None, :, None] + rows[:, x1] * wx[None, :, None]
+    return np.clip(np.rint(out), 0, 255).astype(np.uint8)
+
+
 def test_prepare_folder_and_npy(tmp_path):
     from PIL import Image
 
@@ -99,8 +115,18 @@ def test_prepare_folder_and_npy(tmp_path):
     assert m["class_names"] == ["cat", "dog"] and read_manifest(str(tmp_path / "a")) == m
     st = ShardedStorage(str(tmp_path / "a"))
     assert st.labels.tolist() == [0, 0, 0, 1, 1, 1]
-    want = convert(originals[("dog", 2)][None], 8, 0)[0]
-    np.testing.assert_array_equal(st.fetch(5)["image"], want)
+    dog = originals[("dog", 2)]
+    np.testing.assert_array_equal(st.fetch(5)["image"], _bilinear(dog, 8))
+    grey = prepare(
+        PrepareCommand(
+            src=str(tmp_path / "imgs"), out=str(tmp_path / "g"), resolution=8, channels=1
+        )
+    )
+    assert grey["image_shape"] == [8, 8, 1]
+    luma = np.rint(dog.astype(np.float64).mean(axis=-1, keepdims=True))  # channels, then size
+    np.testing.assert_array_equal(
+        ShardedStorage(str(tmp_path / "g")).fetch(5)["image"], _bilinear(luma, 8)
+    )
 
     (tmp_path / "npy").mkdir()
     floats = rng.uniform(-1, 1, (5, 4, 4)).astype(np.float32)
@@ -108,7 +134,9 @@ def test_prepare_folder_and_npy(tmp_path):
     m = prepare(PrepareCommand(src=str(tmp_path / "npy"), out=str(tmp_path / "b"), channels=3))
     assert (m["count"], m["image_shape"], m["num_classes"]) == (5, [4, 4, 3], 5)
     img = ShardedStorage(str(tmp_path / "b")).fetch(3)["image"]
-    np.testing.assert_array_equal(img[..., 0], np.rint((floats[3] + 1) * 127.5).astype(np.uint8))
+    want = np.rint((floats[3] + 1) * 127.5).astype(np.uint8)
+    for c in range(3):  # grey repeated to RGB
+        np.testing.assert_array_equal(img[..., c], want)
 
 
 def test_prepare_errors_name_the_problem(tmp_path):
