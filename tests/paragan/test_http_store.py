@@ -86,4 +86,4 @@ def test_token_bucket_reserves_in_arrival_order():
     bucket = TokenBucket(rate=1e6, burst_bytes=1000)
     waits = [bucket.take(10_000) for _ in range(3)]  # 10 ms of link time each
     assert waits[0] == pytest.approx(0.009, abs=0.003)
-    assert sum(waits) >= 0.027
+    assert sum(waits) >= 0.027 - 1e-12  # 9 ms each at least (the float sum may round below)
