@@ -8,6 +8,7 @@ blocks over the host link takes. Figures follow the jax-ml scaling-book conventi
     T_hbm  = weight bytes / (hbm_bandwidth * hbm_efficiency)
            + KV bytes / (hbm_bandwidth * kv_efficiency)
     T_step = max(T_math, T_hbm) + step_overhead_s      (T_math + T_hbm with overlap=False)
+           + attention_chunks * attention_chunk_s
 
 FLOPs of a forward pass over ``t`` new tokens are ``2 * P * t`` for the matmuls (``P`` the
 non-embedding parameters plus the output projection) plus ``4 * H * D * L`` per (query, key) pair
@@ -15,7 +16,16 @@ for attention. Bytes are the weights read once per step, the KV cache read by at
 new KV written; KV traffic has its own efficiency (``kv_efficiency``, by default the weights')
 because a paged cache is read as a gather of blocks. An accelerator overlaps compute with memory
 traffic (the max); a CPU, whose cores do both, is closer to their sum (``overlap=False``):
-`serve_jax.roofline_check` measures which figures fit the CPU engine. Chip figures come from
+`serve_jax.roofline_check` measures which figures fit the CPU engine. Two terms are there for
+that CPU engine and are off by default (so accelerator figures are the plain roofline): a step of
+a single token multiplies by the weights as matrix-vector products, which a CPU streams once,
+while several rows make it pack the weights into panels first (about twice the traffic), hence a
+weight-read efficiency of its own (``gemv_efficiency``); and the engine's paged attention
+(`serve_jax.attention.paged_attention`) walks the longest sequence's context a chunk of
+``attention_chunk_tokens`` at a time in every layer, each loop iteration with a fixed cost
+(``attention_chunk_s``) whatever the batch. `RooflineCostModel.work` counts a step's work (the
+simulator's step times and the CPU check both price it with `RooflineCostModel.seconds`). Chip
+figures come from
 `tapas_jax.hardware` so every cost model of the stack agrees; the model shapes are the
 `serve_jax.model_config.ModelConfig` presets the engine serves (``llama-7b``, ``llama-13b``,
 ``llama3-8b``, ``tiny``, ...), at their parameter dtype.
@@ -29,14 +39,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from serve_jax.model_config import ModelConfig, get_model_config
 from tapas_jax.hardware import HardwareProfile, get_profile
+
+_new_tuple = tuple.__new__
 
 __all__ = [
     "matmul_params",
     "weight_bytes",
     "RooflineCostModel",
+    "StepWork",
     "kv_capacity_blocks",
 ]
 
@@ -99,6 +113,23 @@ def kv_capacity_blocks(
     return int(kv_bytes // (block_size * model.kv_bytes_per_token()))
 
 
+class StepWork(NamedTuple):
+    """The work of one engine step as the roofline counts it (`RooflineCostModel.work`)."""
+
+    new_tokens: float
+    """Tokens processed (prefill chunks plus one per decode)."""
+    flops: float
+    """Matmul FLOPs of the new tokens plus attention's over every (query, key) pair."""
+    weight_bytes: float
+    """Weights read (once per step)."""
+    kv_bytes: float
+    """Paged KV read by attention plus the new tokens' K and V written."""
+    attention_chunks: float
+    """Iterations of the paged-attention loop, all layers together: per layer, the longest
+    prefill's and the longest decode's context in chunks of ``attention_chunk_tokens`` (the
+    engine runs prefill chunks and decodes as separate batches, each walking its longest)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RooflineCostModel:
     """Step times of one model on one chip; also the scheduler's `CostHints`.
@@ -120,6 +151,14 @@ class RooflineCostModel:
     """Achieved fraction of HBM bandwidth reading the weights."""
     kv_efficiency: float | None = None
     """Achieved fraction of HBM bandwidth reading and writing paged KV; None: ``hbm_efficiency``."""
+    gemv_efficiency: float | None = None
+    """Achieved fraction of HBM bandwidth reading the weights in a step of one token (matrix-
+    vector products); None: ``hbm_efficiency``."""
+    attention_chunk_s: float = 0.0
+    """Fixed cost of one iteration of the paged-attention loop (one layer, one chunk)."""
+    attention_chunk_tokens: int = 32
+    """Context tokens per iteration of that loop (`serve_jax.attention.paged_attention`'s
+    ``chunk_tokens``)."""
     overlap: bool = True
     """Compute overlaps memory traffic (step = the larger); False adds them (a CPU)."""
     host_link_bandwidth: float | None = None
@@ -134,9 +173,15 @@ class RooflineCostModel:
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        for name in ("flops_efficiency", "hbm_efficiency", "kv_efficiency", "host_link_efficiency"):
+        for name in (
+            "flops_efficiency",
+            "hbm_efficiency",
+            "kv_efficiency",
+            "gemv_efficiency",
+            "host_link_efficiency",
+        ):
             v = getattr(self, name)
-            if name == "kv_efficiency" and v is None:
+            if v is None:  # kv_efficiency, gemv_efficiency: hbm_efficiency's
                 continue
             if not 0.0 < v <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {v}")
@@ -144,9 +189,15 @@ class RooflineCostModel:
             raise ValueError(
                 f"host_link_bandwidth must be positive, got {self.host_link_bandwidth}"
             )
-        if self.step_overhead_s < 0 or self.transfer_latency_s < 0:
-            raise ValueError("step_overhead_s and transfer_latency_s must be >= 0")
-        # Constants of forward_seconds, computed once (the simulator calls it every step).
+        if self.step_overhead_s < 0 or self.transfer_latency_s < 0 or self.attention_chunk_s < 0:
+            raise ValueError(
+                "step_overhead_s, transfer_latency_s and attention_chunk_s must be >= 0"
+            )
+        if self.attention_chunk_tokens <= 0:
+            raise ValueError(
+                f"attention_chunk_tokens must be positive, got {self.attention_chunk_tokens}"
+            )
+        # Constants of work and seconds, computed once (the simulator prices every step).
         m, hw = self.model, self.hardware
         consts = {
             "_flops_per_token": 2.0 * matmul_params(m),
@@ -155,7 +206,10 @@ class RooflineCostModel:
             "_kv_bytes": float(m.kv_bytes_per_token()),
             "_flops_rate": hw.peak_flops * self.flops_efficiency,
             "_hbm_rate": hw.hbm_bandwidth * self.hbm_efficiency,
-            "_kv_rate": hw.hbm_bandwidth * (self.kv_efficiency or 1.0),
+            "_kv_rate": hw.hbm_bandwidth * (self.kv_efficiency or self.hbm_efficiency),
+            "_gemv_rate": hw.hbm_bandwidth * (self.gemv_efficiency or self.hbm_efficiency),
+            "_one_rate": self.kv_efficiency is None and self.gemv_efficiency is None,
+            "_layers": float(m.n_layers),
         }
         for k, v in consts.items():
             object.__setattr__(self, k, v)
@@ -174,32 +228,70 @@ class RooflineCostModel:
         """Bytes of one KV block."""
         return self.block_size * self.model.kv_bytes_per_token()
 
-    def forward_seconds(
-        self, new_tokens: float, attention_pairs: float, kv_read_tokens: float
-    ) -> float:
-        """Time of one forward pass (one engine step) with the given work.
+    def work(
+        self,
+        chunks: Iterable[tuple[int, int]] = (),
+        decode_batch: int = 0,
+        decode_context: int = 0,
+        decode_longest: int | None = None,
+    ) -> StepWork:
+        """The work of one step: prefill chunks plus a decode batch in one forward pass.
 
         Args:
-          new_tokens: tokens processed this step (prefill chunks plus one per decode).
-          attention_pairs: (query, key) pairs attention computes over all new tokens.
-          kv_read_tokens: cached tokens whose K and V attention reads from HBM.
+          chunks: ``(new_tokens, cached_tokens)`` per prefill chunk.
+          decode_batch: sequences decoding one token.
+          decode_context: tokens those sequences hold in cache, in total.
+          decode_longest: tokens the longest of them holds in cache; None: the mean (rounded
+            up), as for sequences of one length.
 
-        Returns:
-          Seconds, including the fixed per-step overhead; 0 when there is no work.
+        Raises:
+          ValueError: negative work.
         """
-        if new_tokens < 0 or attention_pairs < 0 or kv_read_tokens < 0:
-            raise ValueError("forward_seconds needs non-negative work")
-        if new_tokens == 0:
+        size = self.attention_chunk_tokens
+        new, pairs, read = float(decode_batch), float(decode_context), float(decode_context)
+        loops = 0
+        if decode_batch:
+            if decode_batch < 0 or decode_context < 0:
+                raise ValueError(f"bad decode batch ({decode_batch}, {decode_context})")
+            if decode_longest is None:
+                decode_longest = -(-decode_context // decode_batch)
+            loops = -(-(decode_longest + 1) // size)
+        if chunks:
+            longest = 0
+            for n, c in chunks:
+                if n < 0 or c < 0:
+                    raise ValueError(f"bad prefill chunk ({n}, {c})")
+                new += n
+                pairs += n * c + n * (n + 1) / 2.0
+                read += c
+                if n + c > longest:
+                    longest = n + c
+            loops += -(-longest // size)
+        # tuple.__new__: a NamedTuple's own __new__ is a Python call (the simulator prices
+        # every step through here).
+        return _new_tuple(
+            StepWork,
+            (
+                new,
+                self._flops_per_token * new + self._flops_per_pair * pairs,
+                self._weight_bytes,
+                self._kv_bytes * (read + new),
+                self._layers * loops,
+            ),
+        )
+
+    def seconds(self, work: StepWork) -> float:
+        """Time of one step that does ``work`` (`work`): 0 when there are no new tokens."""
+        new, flops, weights, kv, loops = work
+        if new == 0:
             return 0.0
-        flops = self._flops_per_token * new_tokens + self._flops_per_pair * attention_pairs
-        kv_bytes = self._kv_bytes * (kv_read_tokens + new_tokens)
         t_math = flops / self._flops_rate
-        if self.kv_efficiency is None:  # one rate: the same arithmetic as before kv_efficiency
-            t_hbm = (self._weight_bytes + kv_bytes) / self._hbm_rate
+        if self._one_rate:  # one rate: the same arithmetic as before kv_efficiency
+            t_hbm = (weights + kv) / self._hbm_rate
         else:
-            t_hbm = self._weight_bytes / self._hbm_rate + kv_bytes / self._kv_rate
-        t = max(t_math, t_hbm) if self.overlap else t_math + t_hbm
-        return t + self.step_overhead_s
+            t_hbm = weights / (self._gemv_rate if new == 1 else self._hbm_rate) + kv / self._kv_rate
+        t = (t_math if t_math > t_hbm else t_hbm) if self.overlap else t_math + t_hbm
+        return t + self.step_overhead_s + loops * self.attention_chunk_s
 
     # -- CostHints ----------------------------------------------------------------------------
 
@@ -207,15 +299,13 @@ class RooflineCostModel:
         """Time to prefill ``num_tokens`` new tokens after ``cached_tokens`` already in cache."""
         if num_tokens <= 0:
             return 0.0
-        n, c = float(num_tokens), float(cached_tokens)
-        pairs = n * c + n * (n + 1) / 2.0
-        return self.forward_seconds(n, pairs, c)
+        return self.seconds(self.work(((num_tokens, cached_tokens),)))
 
     def decode_seconds(self, batch: int, context_tokens: int) -> float:
         """Time of one decode step of ``batch`` sequences holding ``context_tokens`` in total."""
         if batch <= 0:
             return 0.0
-        return self.forward_seconds(batch, context_tokens, context_tokens)
+        return self.seconds(self.work((), batch, context_tokens))
 
     def transfer_seconds(self, num_blocks: int) -> float:
         """Time to copy ``num_blocks`` KV blocks one way over the host link."""
@@ -227,23 +317,15 @@ class RooflineCostModel:
         )
 
     def step_seconds(
-        self, chunks: Iterable[tuple[int, int]], decode_batch: int = 0, decode_context: int = 0
+        self,
+        chunks: Iterable[tuple[int, int]],
+        decode_batch: int = 0,
+        decode_context: int = 0,
+        decode_longest: int | None = None,
     ) -> float:
-        """Time of one mixed step: prefill chunks plus a decode batch in one forward pass.
-
-        Args:
-          chunks: ``(new_tokens, cached_tokens)`` per prefill chunk.
-          decode_batch: sequences decoding one token.
-          decode_context: tokens those sequences hold in cache, in total.
-        """
-        new, pairs, read = float(decode_batch), float(decode_context), float(decode_context)
-        for n, c in chunks:
-            if n < 0 or c < 0:
-                raise ValueError(f"bad prefill chunk ({n}, {c})")
-            new += n
-            pairs += n * c + n * (n + 1) / 2.0
-            read += c
-        return self.forward_seconds(new, pairs, read)
+        """Time of one mixed step: prefill chunks plus a decode batch in one forward pass (the
+        arguments are `work`'s)."""
+        return self.seconds(self.work(chunks, decode_batch, decode_context, decode_longest))
 
     def kv_capacity_blocks(
         self, kv_memory_gb: float | None = None, memory_utilization: float = 0.9

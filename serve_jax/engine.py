@@ -406,7 +406,9 @@ class Engine:
         return [final[key] for key in sorted(final, key=lambda k: (order[k[0]], k[1]))]
 
     def stats(self) -> dict[str, float]:
-        """Queue lengths, free pages, preemptions, generated tokens (for /metrics)."""
+        """Queue lengths, free pages, preemptions, prefix-cache counters, generated tokens and
+        steps: a snapshot for summaries (the ``replay`` command's ``engine`` entry). The
+        server's /metrics is `serve_jax.prom_metrics`, which keeps its own counters."""
         s = dict(self.scheduler.stats())
         s["generated_tokens"] = self.num_generated_tokens
         s["offload_preemptions"] = self.scheduler.num_offload_preemptions

@@ -37,7 +37,6 @@ from serve_jax.kv_cache import PagedKVView, make_kv_pools
 from serve_jax.model import Decoder
 from serve_jax.offload import HostKVTier
 from serve_jax.sampling import (
-    SamplingParams,
     SequenceSampling,
     full_sampler_arrays,
     sample_full,
@@ -49,11 +48,21 @@ from tapas_jax.hardware import profile_for_device
 __all__ = ["JaxExecutor", "pad_pow2"]
 
 
-def _params(sampling) -> SamplingParams | None:
-    """The `SamplingParams` of a chunk's opaque ``sampling`` (None: greedy defaults)."""
-    if isinstance(sampling, SequenceSampling):
-        return sampling.params
-    return sampling if isinstance(sampling, SamplingParams) else None
+def _sequence(chunk: ScheduledChunk) -> SequenceSampling | None:
+    """A chunk's opaque ``sampling``: the engine's `SequenceSampling` (parameters and token
+    history, one sampling path for every parameter), or None for greedy.
+
+    Raises:
+      TypeError: anything else, a bare `SamplingParams` included (it has no token history
+        for penalties, so it could not take the full sampler).
+    """
+    s = chunk.sampling
+    if s is None or isinstance(s, SequenceSampling):
+        return s
+    raise TypeError(
+        f"request {chunk.request_id!r}: chunk sampling must be a SequenceSampling (parameters "
+        f"with the token history) or None for greedy, got {type(s).__name__}"
+    )
 
 
 def plan_decoder(
@@ -246,7 +255,12 @@ class JaxExecutor:
         self.num_steps = 0
 
     # ---- batches -------------------------------------------------------------------------
-    def _arrays(self, chunks: list[ScheduledChunk], tables: dict[str, list[int]]):
+    def _arrays(
+        self,
+        chunks: list[ScheduledChunk],
+        rows: list[SequenceSampling | None],
+        tables: dict[str, list[int]],
+    ):
         longest = max(c.num_tokens for c in chunks)
         if longest > 1 and self.prefill_rows:
             b = self.prefill_rows
@@ -263,7 +277,7 @@ class JaxExecutor:
         top_p = np.ones((b,), np.float32)
         seed = np.zeros((b,), np.int32)
         ctr = np.zeros((b,), np.int32)
-        for i, c in enumerate(chunks):
+        for i, (c, seq) in enumerate(zip(chunks, rows, strict=True)):
             n = c.num_tokens
             tokens[i, :n] = c.token_ids
             positions[i, :n] = np.arange(c.start, c.start + n)
@@ -271,8 +285,8 @@ class JaxExecutor:
             table = tables[c.request_id]
             table_arr[i, : len(table)] = table
             last[i] = n - 1
-            sp = _params(c.sampling)
-            if sp is not None:
+            if seq is not None:
+                sp = seq.params
                 temp[i], top_p[i], seed[i] = sp.temperature, sp.top_p, sp.seed
             ctr[i] = c.num_output_tokens
         return tokens, positions, valid, table_arr, last, temp, top_p, seed, ctr
@@ -280,8 +294,8 @@ class JaxExecutor:
     def _dispatch(self, chunks, tables):
         """Runs one padded batch; returns its sampled tokens and logprobs (None unless the
         batch took the full sampler) on device."""
-        arrays = list(self._arrays(chunks, tables))
-        rows = [(c.sampling if isinstance(c.sampling, SequenceSampling) else None) for c in chunks]
+        rows = [_sequence(c) for c in chunks]
+        arrays = list(self._arrays(chunks, rows, tables))
         if not any(r is not None and r.params.needs_full_sampler for r in rows):
             args = jax.device_put(arrays, self._replicated)
             toks, self.k_pool, self.v_pool = self._step(
@@ -369,9 +383,11 @@ class JaxExecutor:
         for group, (toks, lps) in pending:
             toks = np.asarray(toks)
             wanted = [
-                (i, c, p.logprobs)
+                (i, c, seq.params.logprobs)
                 for i, c in enumerate(group)
-                if c.sample and (p := _params(c.sampling)) is not None and p.logprobs is not None
+                if c.sample
+                and (seq := _sequence(c)) is not None
+                and seq.params.logprobs is not None
             ]
             if wanted:
                 token_lp, top_ids, top_lp = jax.device_get(lps)

@@ -9,19 +9,25 @@ whether that model, given the machine's own figures, predicts what the JAX execu
    weights, and the fixed cost of one executor step (a jitted call with the executor's argument
    list, donated pools and host transfers, but no work). They become a `HardwareProfile`
    (efficiencies 1: the rates are achieved rates) and the cost model's ``step_overhead_s``.
-2. `measure_step_seconds` runs `serve_jax.executor.JaxExecutor.execute` on hand-made steps (a
+2. `measure_steps_seconds` runs `serve_jax.executor.JaxExecutor.execute` on hand-made steps (a
    prefill of ``n`` tokens from an empty cache; a decode of ``batch`` sequences of ``context``
    tokens each). Shapes are chosen so the executor pads nothing (powers of two,
    ``min_table_blocks=1``): the roofline prices the work as given.
 3. `check_shapes` puts them side by side two ways: the cost model as the simulator runs it
    (compute and memory overlap) on the measured rates with nothing fitted, and the cost model
-   without overlap (``overlap=False``, the CPU's cores do both) whose three efficiencies (matmul,
-   weight reads, paged-KV traffic) are fitted on `FIT_SHAPES` and checked on the held-out shapes.
+   without overlap (``overlap=False``, the CPU's cores do both) whose figures are fitted on
+   `FIT_SHAPES` and checked on the held-out shapes: the efficiencies of matmuls, of weight reads
+   in batched steps and in one-token steps (matrix-vector products, which a CPU streams, where
+   several rows make it pack the weights first: about half the bandwidth), of paged-KV traffic,
+   and the fixed cost of one paged-attention loop iteration (`serve_jax.costmodel`). Both sides
+   price a step from `serve_jax.costmodel.RooflineCostModel.work`.
 
 Every time is process CPU time (`time.process_time`), the fastest of ``repeats`` runs, on both
 sides: the machine this runs on is shared, and CPU time is what other jobs disturb least (wall
-time under a load average of 10 was off by 2-4x). The command is ``python -m serve_jax
-roofline-check`` (`main`); this module imports JAX.
+time under a load average of 10 was off by 2-4x). The step shapes are timed in rounds (each
+round runs every shape once), so a burst of other load slows one run of several shapes rather
+than every run of one. The command is ``python -m serve_jax roofline-check`` (`main`); this
+module imports JAX.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from serve_jax.costmodel import RooflineCostModel, matmul_params, weight_bytes
+from serve_jax.costmodel import RooflineCostModel, StepWork, weight_bytes
 from serve_jax.executor import JaxExecutor
 from serve_jax.interface import ScheduledChunk, SchedulerOutput
 from serve_jax.model import init_model
@@ -48,7 +54,7 @@ __all__ = [
     "RooflineCheckConfig",
     "StepShape",
     "measure_cpu_profile",
-    "measure_step_seconds",
+    "measure_steps_seconds",
     "check_shapes",
     "DEFAULT_SHAPES",
     "FIT_SHAPES",
@@ -88,6 +94,10 @@ DEFAULT_SHAPES = (
     StepShape("decode", batch=1, context=127),
     StepShape("decode", batch=4, context=127),
     StepShape("decode", batch=16, context=127),
+    StepShape("decode", batch=1, context=255),
+    StepShape("decode", batch=2, context=255),
+    StepShape("decode", batch=8, context=255),
+    StepShape("decode", batch=1, context=511),
     StepShape("decode", batch=4, context=511),
     StepShape("decode", batch=16, context=511),
 )
@@ -99,6 +109,7 @@ FIT_SHAPES = (
     StepShape("prefill", tokens=256),
     StepShape("decode", batch=1, context=127),
     StepShape("decode", batch=4, context=127),
+    StepShape("decode", batch=1, context=511),
     StepShape("decode", batch=16, context=511),
 )
 """The shapes the efficiencies are fitted on; the other shapes of `DEFAULT_SHAPES` are held out."""
@@ -220,29 +231,42 @@ def blocks_needed(shapes, block_size: int) -> int:
     return max(need)
 
 
-def measure_step_seconds(executor: JaxExecutor, shape: StepShape, repeats: int = 7) -> float:
-    """Fastest ``step_seconds`` the executor reports for ``shape`` (after one compiling run)."""
-    so = _step_output(shape, executor.block_size)
-    return _best_seconds(lambda: executor.execute(so), repeats)
+def measure_steps_seconds(
+    executor: JaxExecutor, shapes, repeats: int = 7
+) -> dict[StepShape, float]:
+    """Fastest ``step_seconds`` of each shape over ``repeats`` rounds that run every shape once
+    in turn (after one compiling run of each)."""
+    steps = {s: _step_output(s, executor.block_size) for s in shapes}
+    for so in steps.values():
+        executor.execute(so)
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(repeats):
+        for s, so in steps.items():
+            t0 = _clock()
+            executor.execute(so)
+            best[s] = min(best[s], _clock() - t0)
+    return best
+
+
+def shape_work(costs: RooflineCostModel, shape: StepShape) -> StepWork:
+    """What the cost model counts for ``shape``."""
+    if shape.kind == "prefill":
+        return costs.work(((shape.tokens, 0),))
+    return costs.work((), shape.batch, shape.batch * shape.context)
 
 
 def predicted_seconds(costs: RooflineCostModel, shape: StepShape) -> float:
     """The cost model's time of ``shape``."""
-    if shape.kind == "prefill":
-        return costs.prefill_seconds(shape.tokens)
-    return costs.decode_seconds(shape.batch, shape.batch * shape.context)
+    return costs.seconds(shape_work(costs, shape))
 
 
-def _work(model: ModelConfig, shape: StepShape) -> tuple[float, float, float]:
-    """(FLOPs, weight bytes, KV bytes) the roofline counts for ``shape``."""
-    per_token = 2.0 * matmul_params(model)
-    per_pair = 4.0 * model.n_heads * model.head_dim * model.n_layers
-    kv = model.kv_bytes_per_token()
-    if shape.kind == "prefill":
-        n = shape.tokens
-        return per_token * n + per_pair * n * (n + 1) / 2, weight_bytes(model), kv * n
-    b, c = shape.batch, shape.context
-    return per_token * b + per_pair * b * c, weight_bytes(model), kv * (b * c + b)
+_FITTED = (
+    "flops_efficiency",
+    "hbm_efficiency",
+    "kv_efficiency",
+    "gemv_efficiency",
+    "attention_chunk_s",
+)
 
 
 def fit_efficiencies(
@@ -251,31 +275,67 @@ def fit_efficiencies(
     overhead_s: float,
     samples: list[tuple[StepShape, float]],
 ) -> dict[str, float]:
-    """The cost model's three efficiencies fitted to measured step times, with no overlap.
+    """The cost model's efficiencies and attention-loop cost fitted to measured step times,
+    with no overlap.
 
     With ``overlap=False`` a step takes ``o + F / (peak * e_f) + W / (bw * e_w) + K / (bw *
-    e_k)``: linear in ``1 / e``, fitted by least squares on the relative error.
+    e_k) + C * a``, where the weights ``W`` count at ``e_w`` in a step of several tokens and at
+    ``e_gemv`` in a step of one, and ``C`` is the step's attention-loop iterations: linear in
+    ``1 / e`` and ``a``, fitted by least squares on the relative error. A term no sample
+    exercises (no one-token step, or an attention-loop cost fitted below zero) is left out of
+    the fit and keeps the cost model's default (``gemv_efficiency`` None, ``attention_chunk_s``
+    0).
 
     Args:
       model: the model the steps ran.
       profile: peak FLOP/s and bandwidth.
       overhead_s: fixed seconds per step.
-      samples: (shape, measured seconds), at least three.
+      samples: (shape, measured seconds), at least as many as the terms fitted.
 
     Returns:
-      ``flops_efficiency``, ``hbm_efficiency`` and ``kv_efficiency``, each clipped to (0, 1].
+      ``flops_efficiency``, ``hbm_efficiency``, ``kv_efficiency`` and ``gemv_efficiency``, each
+      clipped to (0, 1] (``gemv_efficiency`` None when left out), and ``attention_chunk_s``.
 
     Raises:
-      ValueError: fewer than three samples.
+      ValueError: fewer samples than terms.
     """
-    if len(samples) < 3:
-        raise ValueError(f"fitting three efficiencies needs >= 3 step times, got {len(samples)}")
-    rates = np.array([profile.peak_flops, profile.hbm_bandwidth, profile.hbm_bandwidth])
-    a = np.array([_work(model, shape) for shape, _ in samples]) / rates
+    costs = RooflineCostModel(model, profile)
+    bw = profile.hbm_bandwidth
+    rows = []
+    for shape, _ in samples:
+        w = shape_work(costs, shape)
+        one = w.new_tokens == 1
+        weights = w.weight_bytes / bw
+        rows.append(
+            (
+                w.flops / profile.peak_flops,
+                0.0 if one else weights,
+                w.kv_bytes / bw,
+                weights if one else 0.0,
+                w.attention_chunks,
+            )
+        )
+    a = np.array(rows).reshape(len(samples), len(_FITTED))
     y = np.array([max(t - overhead_s, 1e-9) for _, t in samples])
-    inv, *_ = np.linalg.lstsq(a / y[:, None], np.ones_like(y), rcond=None)
-    eff = np.clip(1.0 / np.maximum(inv, 1e-6), 1e-3, 1.0)
-    return dict(zip(("flops_efficiency", "hbm_efficiency", "kv_efficiency"), map(float, eff)))
+    terms = [0, 1, 2] + [j for j in (3, 4) if a[:, j].any()]
+    while True:
+        if len(samples) < len(terms):
+            raise ValueError(
+                f"fitting {len(terms)} terms needs >= {len(terms)} step times, got {len(samples)}"
+            )
+        x, *_ = np.linalg.lstsq(a[:, terms] / y[:, None], np.ones_like(y), rcond=None)
+        if 4 not in terms or x[-1] >= 0:
+            break
+        terms.remove(4)
+    fitted = dict(zip([_FITTED[j] for j in terms], map(float, x)))
+    out: dict[str, float] = {
+        name: float(np.clip(1.0 / max(fitted[name], 1e-6), 1e-3, 1.0))
+        for name in _FITTED[:4]
+        if name in fitted
+    }
+    out.setdefault("gemv_efficiency", None)
+    out["attention_chunk_s"] = fitted.get("attention_chunk_s", 0.0)
+    return out
 
 
 def make_executor(config: RooflineCheckConfig, shapes) -> tuple[ModelConfig, JaxExecutor]:
@@ -292,8 +352,9 @@ def check_shapes(
     """Predicted against measured step time for each shape, two ways.
 
     ``roofline``: the cost model as the simulator uses it (compute and memory overlap) with the
-    measured peak rates and efficiencies 1. ``fitted``: no overlap and three efficiencies fitted
-    (`fit_efficiencies`) on the shapes ``fit_on`` only; the others are held out.
+    measured peak rates and efficiencies 1. ``fitted``: no overlap, with the efficiencies and
+    the attention-loop cost fitted (`fit_efficiencies`) on the shapes ``fit_on`` only; the
+    others are held out.
 
     Returns:
       ``rows`` (per shape: ``shape``, ``kind``, ``batch``, ``tokens``, ``context``,
@@ -303,7 +364,7 @@ def check_shapes(
     """
     model_cfg, executor = make_executor(config, shapes)
     profile, overhead = measure_cpu_profile(model_cfg, executor, config.repeats)
-    measured = {s: measure_step_seconds(executor, s, config.repeats) for s in shapes}
+    measured = measure_steps_seconds(executor, shapes, config.repeats)
     eff = fit_efficiencies(
         model_cfg, profile, overhead, [(s, measured[s]) for s in shapes if s in fit_on]
     )
@@ -360,8 +421,8 @@ def main(argv: list[str]) -> int:
     print(
         f"{config.model} on {jax.devices()[0].device_kind}: matmul {prof['peak_flops'] / 1e9:.1f} "
         f"GFLOP/s, read {prof['hbm_bandwidth'] / 1e9:.1f} GB/s, step overhead "
-        f"{out['step_overhead_s'] * 1e3:.2f} ms (process CPU time); fitted efficiencies "
-        + ", ".join(f"{k} {v:.2f}" for k, v in eff.items())
+        f"{out['step_overhead_s'] * 1e3:.2f} ms (process CPU time); fitted "
+        + ", ".join(f"{k} {v:.3g}" for k, v in eff.items() if v is not None)
     )
     print(
         f"{'shape':30s} {'measured':>9s} {'roofline':>9s} {'error':>7s} {'fitted':>9s} "

@@ -93,3 +93,54 @@ def test_kv_traffic_efficiency_and_no_overlap():
     t_mem = (w + n * kv) / (hw.hbm_bandwidth * 0.8)
     assert summed.prefill_seconds(n) == pytest.approx(t_math + t_mem, rel=1e-9)
     assert base.prefill_seconds(n) == pytest.approx(max(t_math, t_mem), rel=1e-9)
+
+
+def test_work_counts_a_mixed_step_and_both_sides_price_it():
+    """`work` counts FLOPs, weight and KV bytes and attention-loop iterations of a step;
+    `step_seconds` is `seconds` of it, so the simulator and the CPU check price the same work."""
+    m = get_model_config("llama-7b")
+    c = RooflineCostModel.create(m, "h100")
+    w = c.work([(512, 1000), (100, 0)], 8, 8000)
+    new = 8 + 512 + 100
+    pairs = 8000 + 512 * 1000 + 512 * 513 / 2 + 100 * 101 / 2
+    assert w.new_tokens == new
+    assert w.flops == pytest.approx(2 * matmul_params(m) * new + 4 * 32 * 128 * 32 * pairs)
+    assert w.weight_bytes == weight_bytes(m)
+    assert w.kv_bytes == m.kv_bytes_per_token() * (8000 + 1000 + new)
+    # Per layer: the longest prefill (1512 tokens) and the decodes (1000 + 1 each), 32 a chunk.
+    assert w.attention_chunks == 32 * (48 + 32)
+    assert c.work((), 8, 8000, decode_longest=3000).attention_chunks == 32 * 94
+    assert c.step_seconds([(512, 1000), (100, 0)], 8, 8000) == c.seconds(w)
+    assert c.prefill_seconds(512, 1000) == c.seconds(c.work([(512, 1000)]))
+    assert c.decode_seconds(8, 8000) == c.seconds(c.work((), 8, 8000))
+    assert c.seconds(c.work()) == 0.0
+    with pytest.raises(ValueError, match="bad prefill chunk"):
+        c.work([(4, -1)])
+
+
+def test_one_token_weight_reads_and_the_attention_loop_cost_are_off_by_default():
+    """A one-token step reads the weights at ``gemv_efficiency`` (a batched step does not); each
+    attention-loop iteration costs ``attention_chunk_s``. Left at their defaults, neither changes
+    a step time (the simulator's accelerator figures stay the plain roofline)."""
+    hw, m = get_profile("h100"), get_model_config("llama-7b")
+    w, kv = weight_bytes(m), m.kv_bytes_per_token()
+    base = RooflineCostModel.create(m, "h100", step_overhead_s=0.0)
+    plain = RooflineCostModel.create(m, "h100", step_overhead_s=0.0, gemv_efficiency=0.8)
+    assert plain.decode_seconds(1, 1000) == pytest.approx(base.decode_seconds(1, 1000), rel=1e-12)
+    gemv = RooflineCostModel.create(m, "h100", step_overhead_s=0.0, gemv_efficiency=0.4)
+    assert gemv.decode_seconds(1, 1000) == pytest.approx(
+        w / (hw.hbm_bandwidth * 0.4) + 1001 * kv / (hw.hbm_bandwidth * 0.8), rel=1e-9
+    )
+    assert gemv.decode_seconds(2, 2000) == base.decode_seconds(2, 2000)
+    loop = RooflineCostModel.create(m, "h100", step_overhead_s=0.0, attention_chunk_s=1e-5)
+    for batch, ctx in ((1, 127), (16, 16 * 511)):
+        chunks = loop.work((), batch, ctx).attention_chunks
+        extra = loop.decode_seconds(batch, ctx) - base.decode_seconds(batch, ctx)
+        assert extra == pytest.approx(chunks * 1e-5, rel=1e-9)
+    assert loop.work((), 1, 127).attention_chunks == 32 * 4
+    with pytest.raises(ValueError, match="gemv_efficiency"):
+        RooflineCostModel.create(m, "h100", gemv_efficiency=1.5)
+    with pytest.raises(ValueError, match="attention_chunk_s"):
+        RooflineCostModel.create(m, "h100", attention_chunk_s=-1.0)
+    with pytest.raises(ValueError, match="attention_chunk_tokens"):
+        RooflineCostModel.create(m, "h100", attention_chunk_tokens=0)
