@@ -61,6 +61,11 @@ class BlockPool:
         """Blocks registered under a content hash (owned or free)."""
         return len(self._hash_of)
 
+    def num_free_among(self, blocks: Iterable[int]) -> int:
+        """How many of ``blocks`` sit in the free queue (cached, unowned)."""
+        free = self._free
+        return sum(1 for b in blocks if b in free)
+
     def is_pinned(self, block: int) -> bool:
         """Whether a copy from or to ``block`` is in flight."""
         return self._pins.get(block, 0) > 0
