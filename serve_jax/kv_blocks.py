@@ -38,7 +38,8 @@ admission whose device prefix stops where the host cache goes on *promotes* thos
 (`lookup`, `take_prefix`): fresh device blocks, registered under the same keys, filled by
 host -> device copies before the step's compute, instead of recomputed. Offloaded victims' full
 blocks are registered in the host cache as well, and stay cached there after their restore, so
-one pool serves offloaded victims and cached prefixes.
+one pool serves offloaded victims and cached prefixes; an offload shares the victim's leading
+blocks already cached there (its earlier offload, a demotion) instead of copying them again.
 
 Offload of a request moves its device table to freshly allocated host blocks: the device blocks
 become in-flight (released when the copy completes), the host blocks are owned by the request.
@@ -169,6 +170,8 @@ class KVBlockManager:
         """Of ``prefix_hits``, tokens found in the host cache (promoted, not computed)."""
         self.demoted_blocks = 0
         """Cached device blocks copied to the host cache when freed."""
+        self.offload_hit_blocks = 0
+        """Blocks of offloaded requests found cached in the host pool (shared, not copied)."""
         self._demotions: list[tuple[int, int]] = []
         self.retention = (
             ReuseEstimator(num_host_blocks)
@@ -406,22 +409,37 @@ class KVBlockManager:
     def begin_offload(self, request_id: str) -> list[tuple[int, int]]:
         """Moves ``request_id`` to host blocks; returns (device, host) pairs to copy.
 
-        The device blocks stay in flight until `complete_offload` is called for each pair.
+        With host caching, the leading blocks of the request already cached in the host pool
+        (an earlier offload of the same request, a demotion, a shared prefix) are shared
+        instead of copied again: their device blocks are freed at once. The other device blocks
+        stay in flight until `complete_offload` is called for each pair.
         """
         if request_id in self.host_tables:
             raise BlockAccountingError(f"{request_id!r} is already offloaded")
         table = self.device_tables.pop(request_id, [])
         registered = self._num_registered.pop(request_id, 0)
-        host = self.host.allocate(request_id, len(table))
-        self.host_tables[request_id] = host
+        shared: list[int] = []
         if self.host_caching and registered:
+            hashes = self._hashes[request_id][:registered]
+            cached = self.host.cached_block
+            for h in hashes:
+                b = cached(h)
+                if b is None:
+                    break
+                shared.append(b)
+            self.host.touch(shared)
+            self.offload_hit_blocks += len(shared)
+        k = len(shared)
+        host = self.host.allocate(request_id, len(table) - k)
+        self.host_tables[request_id] = shared + host
+        if registered > k and self.host_caching:
             # The victim's full blocks become findable in the host cache too (and stay cached
             # there after its restore frees them).
-            self.host.register_many(host[:registered], self._hashes[request_id][:registered])
-        self.device.pin(table)
+            self.host.register_many(host[: registered - k], hashes[k:])
+        self.device.pin(table[k:])
         self.host.pin(host)
         self.device.free(request_id, table)
-        return list(zip(table, host))
+        return list(zip(table[k:], host))
 
     def complete_offload(self, pairs: Iterable[tuple[int, int]]) -> None:
         """The executor finished copying these (device, host) pairs."""

@@ -54,6 +54,33 @@ def test_freed_blocks_are_demoted_and_promoted_back():
     mgr.assert_all_free()
 
 
+def test_second_offload_shares_the_host_copies_of_the_first():
+    mgr = KVBlockManager(8, 8, block_size=2, host_caching=True)
+    a = Request("a", [1, 2, 3, 4, 5], 1, 0.0)
+    _computed(mgr, a)  # 3 blocks, 2 full
+    first = mgr.begin_offload("a")
+    assert len(first) == 3 and mgr.offload_hit_blocks == 0
+    _land(mgr, offloads=first)
+    _land(mgr, restores=mgr.begin_restore("a"))
+    a.output_token_ids.extend([6, 7])
+    _computed(mgr, a)  # 4 blocks, 3 full
+    second = mgr.begin_offload("a")
+    # The first two blocks are on the host already: only the third and the partial one move,
+    # and the shared blocks' device copies are free at once.
+    host_table = list(mgr.host_tables["a"])
+    assert len(host_table) == 4 and [h for _, h in second] == host_table[2:]
+    assert host_table[:2] == [h for _, h in first[:2]]
+    assert mgr.offload_hit_blocks == 2 and mgr.device.num_in_flight == 2
+    mgr.check_invariants()
+    _land(mgr, offloads=second)
+    back = mgr.begin_restore("a")
+    assert [h for h, _ in back] == host_table  # every page comes back
+    _land(mgr, restores=back)
+    mgr.free("a")
+    _land(mgr, offloads=mgr.take_demotions())
+    mgr.assert_all_free()
+
+
 def test_host_cache_evicts_least_recently_used_and_never_pinned_blocks():
     mgr = KVBlockManager(8, 2, block_size=2, host_caching=True)
     for i, rid in enumerate("xyz"):
