@@ -164,6 +164,21 @@ class BlockPool:
         copies = self._blocks_of.get(block_hash)
         return next(iter(copies)) if copies else None
 
+    def cached_run(self, hashes: Iterable[Hashable], unpinned: bool = False) -> list[int]:
+        """Blocks registered under the leading ``hashes``, up to the first one not cached (or,
+        with ``unpinned``, whose block has a copy in flight)."""
+        out = []
+        blocks_of, pins = self._blocks_of, self._pins
+        for h in hashes:
+            copies = blocks_of.get(h)
+            if not copies:
+                break
+            b = next(iter(copies))
+            if unpinned and pins.get(b, 0) > 0:
+                break
+            out.append(b)
+        return out
+
     def register(self, block: int, block_hash: Hashable) -> None:
         """Registers the full, computed ``block`` under ``block_hash`` (a block keeps its first
         hash; several blocks may hold one prefix, each findable until evicted)."""

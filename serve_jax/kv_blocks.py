@@ -243,22 +243,10 @@ class KVBlockManager:
         if n <= 0:
             return [], []
         hashes = self.block_hashes(req, n)
-        on_device: list[int] = []
-        cached = self.device.cached_block
-        for h in hashes:
-            b = cached(h)
-            if b is None:
-                break
-            on_device.append(b)
-        on_host: list[int] = []
+        on_device = self.device.cached_run(hashes)
         if host and self.host_caching and len(on_device) < n:
-            pool = self.host
-            for h in hashes[len(on_device) : n]:
-                b = pool.cached_block(h)
-                if b is None or pool.is_pinned(b):
-                    break
-                on_host.append(b)
-        return on_device, on_host
+            return on_device, self.host.cached_run(hashes[len(on_device) : n], unpinned=True)
+        return on_device, []
 
     def lookup_prefix(self, req: Request, max_tokens: int | None = None) -> list[int]:
         """The device blocks of `lookup` (a restore shares them instead of copying back)."""
@@ -421,12 +409,7 @@ class KVBlockManager:
         shared: list[int] = []
         if self.host_caching and registered:
             hashes = self._hashes[request_id][:registered]
-            cached = self.host.cached_block
-            for h in hashes:
-                b = cached(h)
-                if b is None:
-                    break
-                shared.append(b)
+            shared = self.host.cached_run(hashes)  # (pinned ones too: a restore waits for them)
             self.host.touch(shared)
             self.offload_hit_blocks += len(shared)
         k = len(shared)
