@@ -61,6 +61,11 @@ class BlockPool:
         """Blocks registered under a content hash (owned or free)."""
         return len(self._hash_of)
 
+    def num_free_among(self, blocks: Iterable[int]) -> int:
+        """How many of ``blocks`` sit in the free queue (cached, unowned)."""
+        free = self._free
+        return sum(1 for b in blocks if b in free)
+
     def is_pinned(self, block: int) -> bool:
         """Whether a copy from or to ``block`` is in flight."""
         return self._pins.get(block, 0) > 0
@@ -158,6 +163,21 @@ class BlockPool:
         """A block registered under ``block_hash`` (the first registered), or None."""
         copies = self._blocks_of.get(block_hash)
         return next(iter(copies)) if copies else None
+
+    def cached_run(self, hashes: Iterable[Hashable], unpinned: bool = False) -> list[int]:
+        """Blocks registered under the leading ``hashes``, up to the first one not cached (or,
+        with ``unpinned``, whose block has a copy in flight)."""
+        out = []
+        blocks_of, pins = self._blocks_of, self._pins
+        for h in hashes:
+            copies = blocks_of.get(h)
+            if not copies:
+                break
+            b = next(iter(copies))
+            if unpinned and pins.get(b, 0) > 0:
+                break
+            out.append(b)
+        return out
 
     def register(self, block: int, block_hash: Hashable) -> None:
         """Registers the full, computed ``block`` under ``block_hash`` (a block keeps its first

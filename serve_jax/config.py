@@ -72,6 +72,9 @@ class CacheSection:
     host_prefix_caching: bool = False
     """The host pool as a second prefix-cache level: cached pages evicted from device memory are
     copied to host pages and promoted back instead of recomputed (needs num_host_blocks > 0)."""
+    host_retention: str = "predicted"
+    """Which freed pages the host level keeps (serve_jax.host_retention): ``predicted``, those
+    an online estimate of reuse expects back (for single-turn traffic, none), or ``all``."""
 
 
 @dataclasses.dataclass(frozen=True)

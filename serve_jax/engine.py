@@ -213,6 +213,7 @@ class Engine:
             max_model_len=self.model_config.max_seq_len,
             enable_prefix_caching=cc.enable_prefix_caching,
             host_prefix_caching=cc.host_prefix_caching,
+            host_retention=cc.host_retention,
         )
         built = executor is None
         if built:

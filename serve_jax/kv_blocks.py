@@ -28,14 +28,18 @@ own.
 
 Host cache level (``host_caching``, off by default): the host pool is a second level of the
 same cache, keyed by the same chained hashes. A cached device block freed by its last holder
-(finish or recompute preemption) is *demoted*: copied to a host block (the host's least recently
-used cached block is evicted for it; nothing is demoted when every host block is held), both
-blocks in flight until the copy lands (`take_demotions` hands the copies to the scheduler). An
+(finish or recompute preemption) is *demoted* when the retention rule keeps it
+(`serve_jax.host_retention`: by default, when blocks freed the same way have been looked up
+again often enough; ``host_retention="all"``: always): copied to a host block (the host's least
+recently used cached block is evicted for it; nothing is demoted when every host block is
+held), both blocks in flight until the copy lands (`take_demotions` hands the copies to the
+scheduler). An
 admission whose device prefix stops where the host cache goes on *promotes* those blocks
-(`lookup_host`, `take_prefix`): fresh device blocks, registered under the same keys, filled by
+(`lookup`, `take_prefix`): fresh device blocks, registered under the same keys, filled by
 host -> device copies before the step's compute, instead of recomputed. Offloaded victims' full
 blocks are registered in the host cache as well, and stay cached there after their restore, so
-one pool serves offloaded victims and cached prefixes.
+one pool serves offloaded victims and cached prefixes; an offload shares the victim's leading
+blocks already cached there (its earlier offload, a demotion) instead of copying them again.
 
 Offload of a request moves its device table to freshly allocated host blocks: the device blocks
 become in-flight (released when the copy completes), the host blocks are owned by the request.
@@ -51,6 +55,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from serve_jax.block_pool import BlockAccountingError, BlockPool
+from serve_jax.host_retention import RETENTION_MODES, ReuseEstimator
 
 if TYPE_CHECKING:
     from serve_jax.interface import Request
@@ -119,6 +124,9 @@ class KVBlockManager:
         device blocks freed by their last holder are demoted to host blocks, and an admission
         whose prefix continues in the host cache promotes those blocks instead of computing
         them. Needs prefix caching and a host pool.
+      host_retention: which freed blocks host caching demotes, a name of `RETENTION_MODES`:
+        ``predicted`` (the default: the classes a `ReuseEstimator` expects to be looked up
+        again) or ``all``.
     """
 
     def __init__(
@@ -129,11 +137,16 @@ class KVBlockManager:
         enable_prefix_caching: bool = True,
         block_hash: str = "blake2b",
         host_caching: bool = False,
+        host_retention: str = "predicted",
     ):
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         if block_hash not in BLOCK_HASHES:
             raise ValueError(f"block_hash must be one of {sorted(BLOCK_HASHES)}: {block_hash!r}")
+        if host_retention not in RETENTION_MODES:
+            raise ValueError(
+                f"host_retention must be one of {', '.join(RETENTION_MODES)}: {host_retention!r}"
+            )
         self._hash_fn = BLOCK_HASHES[block_hash]
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -157,7 +170,17 @@ class KVBlockManager:
         """Of ``prefix_hits``, tokens found in the host cache (promoted, not computed)."""
         self.demoted_blocks = 0
         """Cached device blocks copied to the host cache when freed."""
+        self.offload_hit_blocks = 0
+        """Blocks of offloaded requests found cached in the host pool (shared, not copied)."""
         self._demotions: list[tuple[int, int]] = []
+        self.retention = (
+            ReuseEstimator(num_host_blocks)
+            if host_caching and host_retention == "predicted"
+            else None
+        )
+        """What host caching demotes (None: every freed cached block)."""
+        # Requests whose admission found a cached prefix (their blocks free as "continued").
+        self._continued: set[str] = set()
 
     # ---- queries -------------------------------------------------------------------------
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -200,64 +223,46 @@ class KVBlockManager:
                 hashes.append(parent)
         return hashes
 
-    def lookup_prefix(self, req: Request, max_tokens: int | None = None) -> list[int]:
-        """Cached device blocks holding the longest prefix of ``req``'s tokens.
+    def lookup(
+        self, req: Request, max_tokens: int | None = None, host: bool = True
+    ) -> tuple[list[int], list[int]]:
+        """The cached blocks holding the longest prefix of ``req``'s tokens, in one walk over
+        its chained keys: device blocks, then (``host`` and host caching on) the host blocks
+        that continue that prefix in the host cache (blocks whose copy is still in flight are
+        not used).
 
         At most ``max_tokens`` tokens (default ``num_tokens - 1``: the last one is computed to
-        sample from) are taken from the cache; empty when caching is off or ``req`` already
+        sample from) are taken from the cache; nothing when caching is off or ``req`` already
         holds device blocks.
         """
         if not self.enable_prefix_caching or self.device_tables.get(req.request_id):
-            return []
+            return [], []
         if max_tokens is None:
             max_tokens = req.num_tokens - 1
         n = max_tokens // self.block_size
         if n <= 0:
-            return []
-        out = []
-        cached = self.device.cached_block
-        for h in self.block_hashes(req, n):
-            b = cached(h)
-            if b is None:
-                break
-            out.append(b)
-        return out
+            return [], []
+        hashes = self.block_hashes(req, n)
+        on_device = self.device.cached_run(hashes)
+        if host and self.host_caching and len(on_device) < n:
+            return on_device, self.host.cached_run(hashes[len(on_device) : n], unpinned=True)
+        return on_device, []
 
-    def lookup_host(self, req: Request, start: int, max_tokens: int | None = None) -> list[int]:
-        """Host blocks holding ``req``'s prefix blocks ``start, start + 1, ...`` (after the
-        ``start`` blocks `lookup_prefix` found on the device), up to ``max_tokens`` tokens as
-        there; empty unless host caching is on. Blocks whose copy is still in flight are not
-        used."""
-        if not (self.host_caching and self.enable_prefix_caching):
-            return []
-        if self.device_tables.get(req.request_id):
-            return []
-        if max_tokens is None:
-            max_tokens = req.num_tokens - 1
-        n = max_tokens // self.block_size
-        if n <= start:
-            return []
-        host = self.host
-        out = []
-        for h in self.block_hashes(req, n)[start:]:
-            b = host.cached_block(h)
-            if b is None or host.is_pinned(b):
-                break
-            out.append(b)
-        return out
+    def lookup_prefix(self, req: Request, max_tokens: int | None = None) -> list[int]:
+        """The device blocks of `lookup` (a restore shares them instead of copying back)."""
+        return self.lookup(req, max_tokens, host=False)[0]
 
     def num_free_among(self, blocks: Iterable[int]) -> int:
         """How many of ``blocks`` sit in the free queue (a hit on them uses up a free block)."""
-        free = self.device._free
-        return sum(1 for b in blocks if b in free)
+        return self.device.num_free_among(blocks)
 
     def take_prefix(
         self, req: Request, blocks: list[int], host_blocks: Sequence[int] = ()
     ) -> list[tuple[int, int]]:
-        """Starts ``req``'s device table with the cached ``blocks`` (from `lookup_prefix`),
-        then one fresh device block per host block of ``host_blocks`` (from `lookup_host`),
-        registered under the same key and filled by a copy; counts the lookup in the hit-rate
-        statistics.
+        """Starts ``req``'s device table with the cached ``blocks``, then one fresh device block
+        per host block of ``host_blocks`` (both from `lookup`), registered under the same key
+        and filled by a copy; counts the lookup in the hit-rate statistics (and in the
+        retention estimate).
 
         Returns:
           (host block, device block) pairs to copy before the step's compute (promotions); the
@@ -268,6 +273,11 @@ class KVBlockManager:
             self.prefix_queries += req.num_tokens
             self.prefix_hits += (len(blocks) + len(host_blocks)) * bs
             self.host_hits += len(host_blocks) * bs
+            if self.retention is not None:
+                keys = self.block_hashes(req, (req.num_tokens - 1) // bs)
+                seen = self.retention.looked_up(keys, len(blocks))
+                if (blocks or seen) and not req.num_preemptions:  # (a session's later turn)
+                    self._continued.add(req.request_id)
         if not blocks and not host_blocks:
             return []
         rid = req.request_id
@@ -340,23 +350,38 @@ class KVBlockManager:
         self.device_tables.setdefault(request_id, []).extend(new)
         return new
 
-    def free_device(self, request_id: str) -> list[int]:
-        """Frees ``request_id``'s device blocks (recompute preemption, finish).
+    def free_device(self, request_id: str, finished: bool = False) -> list[int]:
+        """Frees ``request_id``'s device blocks (recompute preemption, or ``finished``).
 
         The blocks go to the free queue last block first, so a prefix is evicted from its end;
-        registered ones stay findable until evicted.
+        registered ones stay findable until evicted. With host caching, those the retention
+        rule keeps are demoted first.
         """
         table = self.device_tables.pop(request_id, [])
         self._num_registered.pop(request_id, None)
         order = table[::-1]
         if self.host_caching and self.enable_prefix_caching:
-            self._demote(order)
+            if self.retention is None:
+                self._demote(order)
+            else:
+                if not finished:
+                    cls = "preempted"
+                elif request_id in self._continued:
+                    cls = "continued"
+                else:
+                    cls = "fresh"
+                device = self.device
+                keys = [device.hash_of(d) for d in order if device.ref_count(d) == 1]
+                self.retention.freed([k for k in keys if k is not None], cls)
+                if self.retention.worth_demoting(cls):
+                    self._demote(order)
         self.device.free(request_id, order)
         return table
 
     def free(self, request_id: str) -> None:
         """Frees everything ``request_id`` holds, device and host (finish or abort)."""
-        self.free_device(request_id)
+        self.free_device(request_id, finished=True)
+        self._continued.discard(request_id)
         self._hashes.pop(request_id, None)
         self.host.free(request_id, self.host_tables.pop(request_id, []))
 
@@ -372,22 +397,32 @@ class KVBlockManager:
     def begin_offload(self, request_id: str) -> list[tuple[int, int]]:
         """Moves ``request_id`` to host blocks; returns (device, host) pairs to copy.
 
-        The device blocks stay in flight until `complete_offload` is called for each pair.
+        With host caching, the leading blocks of the request already cached in the host pool
+        (an earlier offload of the same request, a demotion, a shared prefix) are shared
+        instead of copied again: their device blocks are freed at once. The other device blocks
+        stay in flight until `complete_offload` is called for each pair.
         """
         if request_id in self.host_tables:
             raise BlockAccountingError(f"{request_id!r} is already offloaded")
         table = self.device_tables.pop(request_id, [])
         registered = self._num_registered.pop(request_id, 0)
-        host = self.host.allocate(request_id, len(table))
-        self.host_tables[request_id] = host
+        shared: list[int] = []
         if self.host_caching and registered:
+            hashes = self._hashes[request_id][:registered]
+            shared = self.host.cached_run(hashes)  # (pinned ones too: a restore waits for them)
+            self.host.touch(shared)
+            self.offload_hit_blocks += len(shared)
+        k = len(shared)
+        host = self.host.allocate(request_id, len(table) - k)
+        self.host_tables[request_id] = shared + host
+        if registered > k and self.host_caching:
             # The victim's full blocks become findable in the host cache too (and stay cached
             # there after its restore frees them).
-            self.host.register_many(host[:registered], self._hashes[request_id][:registered])
-        self.device.pin(table)
+            self.host.register_many(host[: registered - k], hashes[k:])
+        self.device.pin(table[k:])
         self.host.pin(host)
         self.device.free(request_id, table)
-        return list(zip(table, host))
+        return list(zip(table[k:], host))
 
     def complete_offload(self, pairs: Iterable[tuple[int, int]]) -> None:
         """The executor finished copying these (device, host) pairs."""

@@ -129,6 +129,8 @@ class Scheduler:
         cached blocks are demoted to it (copies issued with the next step's offloads) and an
         admission promotes the host-cached continuation of its prefix (copies issued with the
         step's restores) instead of computing it.
+      host_retention: which freed cached blocks are demoted (`serve_jax.host_retention`):
+        ``predicted`` (default) or ``all``.
     """
 
     def __init__(
@@ -145,6 +147,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         block_hash: str = "blake2b",
         host_prefix_caching: bool = False,
+        host_retention: str = "predicted",
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -155,6 +158,7 @@ class Scheduler:
             enable_prefix_caching,
             block_hash,
             host_caching=host_prefix_caching,
+            host_retention=host_retention,
         )
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -430,8 +434,8 @@ class Scheduler:
             req = self.waiting[0]
             # A waiting request holds no blocks and has nothing computed; it starts from the
             # longest cached prefix of its tokens.
-            hits = self.blocks.lookup_prefix(req)
-            promote = self.blocks.lookup_host(req, len(hits))  # the host cache's continuation
+            # Cached on the device, then the host cache's continuation (promoted).
+            hits, promote = self.blocks.lookup(req)
             computed = (len(hits) + len(promote)) * bs
             n = min(req.num_tokens - computed, budget)
             need = self.blocks.num_blocks_for(computed + n) - len(hits)

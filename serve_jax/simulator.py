@@ -104,6 +104,9 @@ class SimConfig:
     host_prefix_caching: bool = False
     """The host pool as a second prefix-cache level (`serve_jax.kv_blocks`): freed cached
     blocks are demoted to host memory and promoted back instead of recomputed."""
+    host_retention: str = "predicted"
+    """Which freed blocks the host cache level keeps (`serve_jax.host_retention`):
+    ``predicted`` (those an online reuse estimate expects back) or ``all``."""
     decode_runs: bool = True
     """Apply runs of quiet decode steps at once (`serve_jax.sim_runs`; the same results, much
     faster); off, every step goes through `EngineCore.step`. Runs are only used without extra
@@ -341,6 +344,7 @@ def simulate(
         enable_prefix_caching=config.enable_prefix_caching,
         block_hash="builtin",  # (placeholder tokens, no adversary: the cheap key)
         host_prefix_caching=config.host_prefix_caching,
+        host_retention=config.host_retention,
     )
     capacity = sched.max_model_len
     output_lens = {
@@ -501,6 +505,7 @@ def simulator_config_for_engine(engine_config: Any, **overrides: Any) -> SimConf
         finish_by="max_tokens",
         enable_prefix_caching=cc.enable_prefix_caching,
         host_prefix_caching=cc.host_prefix_caching,
+        host_retention=cc.host_retention,
     )
     base.update(overrides)
     return SimConfig(**base)

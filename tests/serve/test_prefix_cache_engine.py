@@ -160,3 +160,21 @@ def test_next_turn_reuses_the_cached_context_under_preemption(model, mode):
         assert list(o.token_ids) == reference(model, p, 6)
     assert eng.scheduler.blocks.prefix_hits > hits_before
     eng.scheduler.blocks.assert_all_free()
+
+
+def test_repeated_offloads_share_host_pages_exactly(model):
+    """With the host cache level, a request offloaded again keeps the host pages of its earlier
+    offload (shared, not copied twice): the greedy outputs still match the reference."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(4, 8))] for _ in range(5)]
+    cfg = load_engine_config(
+        "tiny_cpu", ["cache.num_device_blocks=12", "cache.host_prefix_caching=true"]
+    )
+    eng = Engine(cfg, model=model)
+    eng.scheduler.policy = FcfsLastPolicy(PreemptMode.OFFLOAD)
+    outs = eng.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert list(o.token_ids) == reference(model, p, 24)
+    assert eng.scheduler.num_offload_preemptions > len(prompts)
+    assert eng.scheduler.blocks.offload_hit_blocks > 0
+    eng.scheduler.blocks.assert_all_free()

@@ -99,8 +99,14 @@ def test_simulator_config_follows_the_engine_cache_switches():
     """The cross-check's simulator runs with the engine's prefix-cache settings (it ran with
     caching on while the engine had it off)."""
     cfg = load_engine_config(
-        "tiny_cpu", ["cache.enable_prefix_caching=false", "cache.host_prefix_caching=true"]
+        "tiny_cpu",
+        [
+            "cache.enable_prefix_caching=false",
+            "cache.host_prefix_caching=true",
+            "cache.host_retention=all",
+        ],
     )
     sim = simulator_config_for_engine(cfg)
     assert sim.enable_prefix_caching is False and sim.host_prefix_caching is True
+    assert sim.host_retention == "all"
     assert simulator_config_for_engine(load_engine_config("tiny_cpu")).enable_prefix_caching

@@ -1,0 +1,118 @@
+"""What the host cache level keeps (serve_jax.host_retention and its use in kv_blocks)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from serve_jax.host_retention import ReuseEstimator
+from serve_jax.kv_blocks import KVBlockManager
+from serve_jax.scheduler import Request
+from serve_jax.simulator import SimConfig, simulate
+from serve_jax.workloads import agentic_workload, load_trace
+
+
+def test_estimator_learns_that_unreused_keys_are_not_worth_demoting():
+    est = ReuseEstimator(horizon=4, threshold=0.2, decay=1.0)
+    assert est.estimate("fresh") == 0.5 and est.worth_demoting("fresh")  # the prior
+    est.freed(range(12), "fresh")  # 8 keys pushed out unused
+    assert est.expired["fresh"] == 8 and est.estimate("fresh") == pytest.approx(1 / 10)
+    assert not est.worth_demoting("fresh")
+    # Another class is measured on its own.
+    est.freed(["a", "b"], "continued")
+    est.looked_up(["a", "b", "c"], on_device=0)
+    assert est.reused["continued"] == 2 and est.estimate("continued") == pytest.approx(3 / 4)
+    assert est.worth_demoting("continued")
+
+
+def test_estimator_counts_only_an_unbroken_run_past_the_device_prefix():
+    est = ReuseEstimator(horizon=100, decay=1.0)
+    est.freed(["k0", "k1", "k2", "k4"], "fresh")
+    # k0 on the device (no verdict, leaves the shadow), k1-k2 needed from the host, k3 missing
+    # breaks the run: k4 could not have been promoted.
+    est.looked_up(["k0", "k1", "k2", "k3", "k4"], on_device=1)
+    assert est.reused["fresh"] == 2 and est.expired["fresh"] == 0
+    assert est.estimate("fresh") == pytest.approx(3 / 4)
+    est.looked_up(["k0"], on_device=0)  # gone from the shadow: no second verdict
+    assert est.reused["fresh"] == 2
+
+
+def test_estimator_rejects_bad_settings():
+    with pytest.raises(ValueError, match="threshold"):
+        ReuseEstimator(10, threshold=1.5)
+    with pytest.raises(ValueError, match="decay"):
+        ReuseEstimator(10, decay=0.0)
+    with pytest.raises(ValueError, match="reuse class"):
+        ReuseEstimator(10).freed(["k"], "other")
+    with pytest.raises(ValueError, match="host_retention"):
+        KVBlockManager(4, 4, 2, host_caching=True, host_retention="lru")
+
+
+def _run_and_free(mgr: KVBlockManager, req: Request) -> int:
+    """Admits ``req`` from the cache, computes it, finishes it; returns the blocks demoted."""
+    hits, host = mgr.lookup(req)
+    mgr.complete_restore(mgr.take_prefix(req, hits, host))
+    mgr.grow(req.request_id, req.num_tokens)
+    req.num_computed_tokens = req.num_tokens
+    mgr.cache_computed(req)
+    mgr.free(req.request_id)
+    demotions = mgr.take_demotions()
+    mgr.complete_offload(demotions)
+    return len(demotions)
+
+
+@pytest.mark.parametrize("retention", ["predicted", "all"])
+def test_single_turn_traffic_stops_being_demoted_and_sessions_keep_theirs(retention):
+    mgr = KVBlockManager(12, 16, block_size=2, host_caching=True, host_retention=retention)
+    # Distinct single-turn prompts (2 full blocks each): nothing is ever looked up again.
+    demoted = [_run_and_free(mgr, Request(f"s{i}", [i + 3, 1, 2, 1, 5], 1, 0.0)) for i in range(40)]
+    if retention == "all":
+        assert demoted == [2] * 40
+    else:  # demoted while the prior holds, not once the horizon (16 keys) shows no reuse
+        assert demoted[:8] == [2] * 8 and sum(demoted[12:]) == 0
+        assert mgr.retention.expired["fresh"] > 0 and mgr.retention.reused["fresh"] == 0
+    # A session whose turns re-send their context, the device forgetting it between turns:
+    # its first turn is freed as the useless single-turn traffic was, but the later turns are
+    # demoted and promoted back.
+    context = [7, 8, 9, 10]
+    turn_demoted = []
+    for turn in range(4):
+        req = Request(f"t{turn}", context + [11 + turn], 1, 0.0)
+        turn_demoted.append(_run_and_free(mgr, req))
+        _run_and_free(mgr, Request(f"evict{turn}", [50 + turn] * 24, 1, 0.0))  # fills the device
+        context = context + [11 + turn, 60 + turn]
+    assert all(turn_demoted[1:])
+    assert turn_demoted[0] == (0 if retention == "predicted" else 2)
+    assert mgr.host_hits > 0
+    mgr.assert_all_free()
+
+
+def test_simulator_guided_host_tier_skips_single_turn_traffic():
+    """On a single-turn trace nothing comes back: predicted retention demotes only while it
+    learns that (about the host pool's size once) and costs nothing after; demoting every freed
+    block holds device blocks in flight for nothing and delays admissions."""
+    wl = load_trace("azure-code", limit=300)
+    base = SimConfig(kv_memory_gb=2.0, host_memory_gb=1.0)
+    off = simulate(wl, "fcfs_last", base)
+    host = dict(host_prefix_caching=True)
+    guided = simulate(wl, "fcfs_last", dataclasses.replace(base, **host))
+    every = simulate(wl, "fcfs_last", dataclasses.replace(base, **host, host_retention="all"))
+    horizon = int(1e9 // base.cost_model().block_bytes)
+    assert every.demoted_blocks > 10 * horizon and guided.demoted_blocks <= horizon
+    assert guided.host_hit_rate == every.host_hit_rate == 0.0
+    assert guided.summary["ttft_ms"]["p99"] == pytest.approx(off.summary["ttft_ms"]["p99"])
+    assert every.summary["ttft_ms"]["p99"] > 1.1 * off.summary["ttft_ms"]["p99"]
+
+
+def test_simulator_guided_host_tier_keeps_agentic_prefixes():
+    wl = agentic_workload(session_rate=0.3, duration_s=120.0, max_context=2000, seed=4)
+    base = SimConfig(kv_memory_gb=1.0, host_memory_gb=4.0, max_num_batched_tokens=1024)
+    off = simulate(wl, "fcfs_last", base)
+    host = dict(host_prefix_caching=True)
+    guided = simulate(wl, "fcfs_last", dataclasses.replace(base, **host))
+    every = simulate(wl, "fcfs_last", dataclasses.replace(base, **host, host_retention="all"))
+    assert guided.completed == every.completed == off.completed == guided.submitted
+    assert guided.host_hit_rate > 0 and guided.host_hit_rate >= 0.9 * every.host_hit_rate
+    assert guided.prefix_hit_rate > off.prefix_hit_rate
+    assert guided.demoted_blocks < every.demoted_blocks
