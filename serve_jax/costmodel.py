@@ -127,7 +127,8 @@ class StepWork(NamedTuple):
     attention_chunks: float
     """Iterations of the paged-attention loop, all layers together: per layer, the longest
     prefill's and the longest decode's context in chunks of ``attention_chunk_tokens`` (the
-    engine runs prefill chunks and decodes as separate batches, each walking its longest)."""
+    engine runs prefill chunks and decodes as separate batches, each walking its longest; the
+    decodes are counted as sequences of one length)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,16 +234,14 @@ class RooflineCostModel:
         chunks: Iterable[tuple[int, int]] = (),
         decode_batch: int = 0,
         decode_context: int = 0,
-        decode_longest: int | None = None,
     ) -> StepWork:
         """The work of one step: prefill chunks plus a decode batch in one forward pass.
 
         Args:
           chunks: ``(new_tokens, cached_tokens)`` per prefill chunk.
           decode_batch: sequences decoding one token.
-          decode_context: tokens those sequences hold in cache, in total.
-          decode_longest: tokens the longest of them holds in cache; None: the mean (rounded
-            up), as for sequences of one length.
+          decode_context: tokens those sequences hold in cache, in total (the attention loop
+            is counted as for sequences of one length: the longest holds the mean).
 
         Raises:
           ValueError: negative work.
@@ -253,11 +252,10 @@ class RooflineCostModel:
         if decode_batch:
             if decode_batch < 0 or decode_context < 0:
                 raise ValueError(f"bad decode batch ({decode_batch}, {decode_context})")
-            if decode_longest is None:
-                decode_longest = -(-decode_context // decode_batch)
-            loops = -(-(decode_longest + 1) // size)
+            longest = -(-decode_context // decode_batch)
+            loops = -(-(longest + 1) // size)
         if chunks:
-            longest = 0
+            longest = 0  # tokens of the longest prefill sequence, cached plus new
             for n, c in chunks:
                 if n < 0 or c < 0:
                     raise ValueError(f"bad prefill chunk ({n}, {c})")
@@ -321,11 +319,10 @@ class RooflineCostModel:
         chunks: Iterable[tuple[int, int]],
         decode_batch: int = 0,
         decode_context: int = 0,
-        decode_longest: int | None = None,
     ) -> float:
         """Time of one mixed step: prefill chunks plus a decode batch in one forward pass (the
         arguments are `work`'s)."""
-        return self.seconds(self.work(chunks, decode_batch, decode_context, decode_longest))
+        return self.seconds(self.work(chunks, decode_batch, decode_context))
 
     def kv_capacity_blocks(
         self, kv_memory_gb: float | None = None, memory_utilization: float = 0.9

@@ -1,6 +1,7 @@
 """The JAX executor's sampling contract (`serve_jax.executor`): a chunk samples through the
-engine's `SequenceSampling` (one path, full sampler when its parameters need it) or greedily;
-anything else is refused by name rather than sampled with part of its parameters."""
+engine's `SequenceSampling` (one path, full sampler when its parameters need it: the engine
+tests in test_sampling.py run it) or greedily; anything else is refused by name rather than
+sampled with part of its parameters."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from serve_jax.executor import JaxExecutor
 from serve_jax.interface import ScheduledChunk, SchedulerOutput
 from serve_jax.model import init_model
 from serve_jax.model_config import get_model_config
-from serve_jax.sampling import SamplingParams, SequenceSampling
+from serve_jax.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +33,3 @@ def test_a_bare_sampling_params_is_refused_by_name(executor):
     for params in (SamplingParams(top_k=2, temperature=1.0), SamplingParams(logprobs=2)):
         with pytest.raises(TypeError, match="request 'r'.*SequenceSampling.*SamplingParams"):
             executor.execute(_step(params))
-
-
-def test_sequence_sampling_takes_the_full_sampler_when_asked(executor):
-    greedy = executor.execute(_step(None))
-    seq = SequenceSampling(SamplingParams(logprobs=2), [1, 5, 6, 7], [])
-    full = executor.execute(_step(seq))
-    assert full.sampled == greedy.sampled  # temperature 0: the argmax either way
-    lp = full.logprobs["r"]
-    assert len(lp.top_ids) == 2 and lp.top_ids[0] == full.sampled["r"]
-    assert "r" not in greedy.logprobs

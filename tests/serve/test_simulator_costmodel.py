@@ -109,7 +109,7 @@ def test_work_counts_a_mixed_step_and_both_sides_price_it():
     assert w.kv_bytes == m.kv_bytes_per_token() * (8000 + 1000 + new)
     # Per layer: the longest prefill (1512 tokens) and the decodes (1000 + 1 each), 32 a chunk.
     assert w.attention_chunks == 32 * (48 + 32)
-    assert c.work((), 8, 8000, decode_longest=3000).attention_chunks == 32 * 94
+    assert c.work((), 3, 3 * 3000).attention_chunks == 32 * 94
     assert c.step_seconds([(512, 1000), (100, 0)], 8, 8000) == c.seconds(w)
     assert c.prefill_seconds(512, 1000) == c.seconds(c.work([(512, 1000)]))
     assert c.decode_seconds(8, 8000) == c.seconds(c.work((), 8, 8000))
