@@ -323,13 +323,13 @@ def test_bench_pipeline_over_http_sweeps_fixed_settings(tmp_path):
 
 
 def test_a_run_is_clean_through_its_warmup_then_follows_its_episodes_on_either_store(tmp_path):
-    from paragan_jax.http_store import ObjectServer
+    from paragan_jax.http_store import ObjectServer, ServerProcess
     from paragan_jax.pipeline_stores import RunCongestion
 
     now = [0.0]
     emulated = EmulatedRemoteStorage(InMemoryStorage(_dataset(10)), clock=lambda: now[0])
-    with ObjectServer(tmp_path) as server:
-        for switch in (emulated.congestion, server.congestion):
+    with ObjectServer(tmp_path) as server, ServerProcess(tmp_path) as remote:
+        for switch in (emulated.congestion, server.congestion, remote.congestion):
             run = RunCongestion(switch)
             run.prepare(CongestionEpisodes(((0.0, 3600.0),)))
             assert not switch.congested_now()  # the warmup
