@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from paragan_jax.pipeline import InputPipeline, epoch_indices
+from paragan_jax.pipeline import InputPipeline, epoch_indices, epoch_order
 from paragan_jax.pipeline_control import AimdController, Observation, PipelineConfig
 from paragan_jax.storage import (
     CongestionEpisodes,
@@ -36,6 +36,9 @@ def test_epoch_shards_are_disjoint_and_cover(count):
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
     other_epoch = epoch_indices(103, epoch=3, seed=5)
     assert other_epoch.tolist() != epoch_indices(103, epoch=2, seed=5).tolist()
+    order = epoch_order(103, 5, 2)  # drawn once an epoch, shared read-only
+    assert order is epoch_order(103, 5, 2) and not order.flags.writeable
+    assert order.tolist() == np.random.default_rng([5, 2]).permutation(103).tolist()
 
 
 def test_no_example_lost_or_repeated_with_emulated_store_and_three_hosts():
