@@ -19,6 +19,7 @@ from .data import load_dataset
 from .distributed import run_two_process_async
 from .metrics import evaluate_samples, save_sample_png
 from .train import Trainer
+from .train_data import reference_dataset
 from .workdir import prepare_workdir
 
 __all__ = ["bench_command"]
@@ -43,7 +44,7 @@ def _two_process_variant(
 ) -> dict[str, Any]:
     cfg = load_train_config(preset, overrides)  # validate before launching workers
     res = run_two_process_async(preset, overrides, str(workdir / name), seconds=seconds)
-    ds = load_dataset(cfg)
+    ds = reference_dataset(cfg, load_dataset(cfg))  # what Trainer.evaluate scores against
     samples = res.pop("samples")
     grid = save_sample_png(
         samples[: cfg.eval.grid_rows**2] if samples.ndim > 2 else samples,

@@ -45,6 +45,7 @@ import numpy as np
 from scipy.ndimage import zoom
 
 from .config import TrainConfig
+from .pipeline import epoch_order
 from .shards import ShardedStorage, ShardImages
 
 __all__ = [
@@ -368,8 +369,7 @@ def batch_at(dataset: Dataset, batch_size: int, seed: int, index: int) -> Batch:
     n = len(dataset)
     per_epoch = (n if dataset.epoch_size is None else dataset.epoch_size) // batch_size
     epoch, k = divmod(index, per_epoch)
-    perm = np.random.default_rng([seed, epoch]).permutation(n)
-    idx = perm[k * batch_size : (k + 1) * batch_size]
+    idx = epoch_order(n, seed, epoch)[k * batch_size : (k + 1) * batch_size]
     return {"image": dataset.images[idx], "label": dataset.labels[idx]}
 
 

@@ -7,7 +7,8 @@ Input-bound training throughput (steps/s) of a fixed and of the adaptive input p
 - ``emulated``: the seeded remote-store EMULATION (`paragan_jax.storage.EmulatedRemoteStorage`)
   in front of real ``.npy`` files written to a temporary directory;
 - ``http``: a real socket path. The data set is written in the sharded uint8 format
-  (`paragan_jax.shards`), served by the loopback object server (`paragan_jax.http_store`:
+  (`paragan_jax.shards`), served by the loopback object server from a process of its own
+  (`paragan_jax.http_store`:
   aggregate bandwidth shared by all connections, per-request latency with jitter, congestion
   episodes that multiply latency and leave only a share of the bandwidth), and read through
   tensorstore's HTTP kvstore. Besides the four runs it sweeps fixed settings (workers x depth)

@@ -5,7 +5,7 @@
   `paragan_jax.storage.CongestionSwitch`): clean during the run's warmup, then the run's
   episodes from its timed start.
 - `serve_shards`: the data set written as shards (`paragan_jax.shards`) behind the loopback
-  object server (`paragan_jax.http_store`), read through real sockets.
+  object server (`paragan_jax.http_store`, in a process of its own), read through real sockets.
 - `fixed_sweep`: the fixed ``(workers, depth)`` settings the HTTP bench tries under the same
   congestion, so that the fixed baseline is the best of a sweep rather than one guess.
 """
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .http_store import CongestionModel, ObjectServer
+from .http_store import CongestionModel, ServerProcess
 from .shards import ShardedStorage, write_shards
 from .storage import CongestionEpisodes, CongestionSwitch
 
@@ -49,9 +49,10 @@ def serve_shards(
     labels: np.ndarray,
     model: CongestionModel,
     examples_per_shard: int = 1024,
-) -> tuple[ObjectServer, ShardedStorage]:
-    """Writes the data set as shards under `directory`, serves it (started; close it after) and
-    opens it over HTTP; returns ``(server, storage)``."""
+) -> tuple[ServerProcess, ShardedStorage]:
+    """Writes the data set as shards under `directory`, serves it from a process of its own
+    (`paragan_jax.http_store.ServerProcess`: started; close it after) and opens it over HTTP;
+    returns ``(server, storage)``."""
     write_shards(
         directory,
         [(images, labels)],
@@ -59,7 +60,7 @@ def serve_shards(
         images.shape[1:],
         examples_per_shard=examples_per_shard,
     )
-    server = ObjectServer(directory, model, congested=False).start()
+    server = ServerProcess(directory, model, congested=False)
     return server, ShardedStorage(server.url)
 
 

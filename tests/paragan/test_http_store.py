@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from paragan_jax.http_store import CongestionModel, ObjectServer, TokenBucket
+from paragan_jax.http_store import CongestionModel, ObjectServer, ServerProcess, TokenBucket
 from paragan_jax.storage import CongestionEpisodes
 
 
@@ -87,3 +87,30 @@ def test_token_bucket_reserves_in_arrival_order():
     waits = [bucket.take(10_000) for _ in range(3)]  # 10 ms of link time each
     assert waits[0] == pytest.approx(0.009, abs=0.003)
     assert sum(waits) >= 0.027 - 1e-12  # 9 ms each at least (the float sum may round below)
+
+
+def test_a_server_in_its_own_process_serves_and_is_driven_from_here(tmp_path):
+    data = bytes(range(256)) * 4
+    (tmp_path / "blob").write_bytes(data)
+    fast = CongestionModel(base_latency_s=0.0, bandwidth_bytes_per_s=1e9)
+    with ServerProcess(tmp_path, fast, congested=False) as srv:
+        assert srv.url.startswith("http://127.0.0.1:")
+        assert _get(srv, "/blob")[2] == data and _get(srv, "/absent")[0] == 404
+        deadline = time.monotonic() + 5  # the server counts a body's bytes after sending it
+        while srv.counters["bytes"] < 1024 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.counters["requests"] == 2 and srv.counters["bytes"] == 1024
+        assert not srv.congestion.congested_now()
+        srv.congestion.set_congestion(True)  # reaches the server in the other process
+        assert srv.congestion.congested_now()
+        srv.congestion.set_congestion(None)
+        srv.congestion.restart(CongestionEpisodes(((0.0, 3600.0),)))
+        assert srv.congestion.congested_now()
+        srv.congestion.restart(((0.0, 1.0),))  # not CongestionEpisodes: fails when read there
+        with pytest.raises(RuntimeError, match="congested_now: AttributeError"):
+            srv.congestion.congested_now()
+    srv.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        srv.congestion.congested_now()
+    with pytest.raises(FileNotFoundError):
+        ServerProcess(tmp_path / "absent")

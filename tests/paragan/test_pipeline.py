@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from paragan_jax.pipeline import InputPipeline, epoch_indices
+from paragan_jax.pipeline import InputPipeline, epoch_indices, epoch_order
 from paragan_jax.pipeline_control import AimdController, Observation, PipelineConfig
 from paragan_jax.storage import (
     CongestionEpisodes,
@@ -36,6 +36,9 @@ def test_epoch_shards_are_disjoint_and_cover(count):
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
     other_epoch = epoch_indices(103, epoch=3, seed=5)
     assert other_epoch.tolist() != epoch_indices(103, epoch=2, seed=5).tolist()
+    order = epoch_order(103, 5, 2)  # drawn once an epoch, shared read-only
+    assert order is epoch_order(103, 5, 2) and not order.flags.writeable
+    assert order.tolist() == np.random.default_rng([5, 2]).permutation(103).tolist()
 
 
 def test_no_example_lost_or_repeated_with_emulated_store_and_three_hosts():
@@ -323,13 +326,13 @@ def test_bench_pipeline_over_http_sweeps_fixed_settings(tmp_path):
 
 
 def test_a_run_is_clean_through_its_warmup_then_follows_its_episodes_on_either_store(tmp_path):
-    from paragan_jax.http_store import ObjectServer
+    from paragan_jax.http_store import ObjectServer, ServerProcess
     from paragan_jax.pipeline_stores import RunCongestion
 
     now = [0.0]
     emulated = EmulatedRemoteStorage(InMemoryStorage(_dataset(10)), clock=lambda: now[0])
-    with ObjectServer(tmp_path) as server:
-        for switch in (emulated.congestion, server.congestion):
+    with ObjectServer(tmp_path) as server, ServerProcess(tmp_path) as remote:
+        for switch in (emulated.congestion, server.congestion, remote.congestion):
             run = RunCongestion(switch)
             run.prepare(CongestionEpisodes(((0.0, 3600.0),)))
             assert not switch.congested_now()  # the warmup
