@@ -24,8 +24,9 @@ An admission resolves the shadow: the keys it needs beyond the prefix found on t
 found in the shadow in one unbroken run, are *reuses* (a host cache holding them would have
 served them); a key found on the device again leaves the shadow without a verdict (its
 demotion was not needed); a key pushed out of the shadow by newer ones was not reused in time.
-The estimate of a class is the share of its resolved keys that were reused, with a prior of
-one reuse and one miss and counts that decay (a traffic mix that changes is followed). Blocks
+The estimate of a class is the share of its resolved keys that were reused, counted from one
+miss (nothing is demoted before a reuse has been seen: single-turn traffic is never demoted)
+with counts that decay (a traffic mix that changes is followed). Blocks
 of a class are demoted when its estimate is at least ``threshold``. The verdicts do not depend
 on what was demoted, so a class that stopped being demoted is still measured and comes back
 when its blocks are reused again. Pure Python (no JAX).
@@ -66,8 +67,8 @@ class ReuseEstimator:
         self.threshold = threshold
         self.decay = decay
         self._shadow: OrderedDict[Hashable, str] = OrderedDict()
-        # class -> [reuses, misses], each starting from the prior of one
-        self._counts = {c: [1.0, 1.0] for c in REUSE_CLASSES}
+        # class -> [reuses, misses], from one miss (no demotion before a reuse is seen)
+        self._counts = {c: [0.0, 1.0] for c in REUSE_CLASSES}
         self.reused = dict.fromkeys(REUSE_CLASSES, 0)
         """Keys of each class found again by an admission that needed them (not decayed)."""
         self.expired = dict.fromkeys(REUSE_CLASSES, 0)
