@@ -33,13 +33,13 @@ same cache, keyed by the same chained hashes. A cached device block freed by its
 again often enough; ``host_retention="all"``: always): copied to a host block (the host's least
 recently used cached block is evicted for it; nothing is demoted when every host block is
 held), both blocks in flight until the copy lands (`take_demotions` hands the copies to the
-scheduler). An
-admission whose device prefix stops where the host cache goes on *promotes* those blocks
-(`lookup`, `take_prefix`): fresh device blocks, registered under the same keys, filled by
-host -> device copies before the step's compute, instead of recomputed. Offloaded victims' full
-blocks are registered in the host cache as well, and stay cached there after their restore, so
-one pool serves offloaded victims and cached prefixes; an offload shares the victim's leading
-blocks already cached there (its earlier offload, a demotion) instead of copying them again.
+scheduler). An admission whose device prefix stops where the host cache goes on *promotes*
+those blocks (`lookup`, `take_prefix`): fresh device blocks, registered under the same keys,
+filled by host -> device copies before the step's compute, instead of recomputed. Offloaded
+victims' full blocks are registered in the host cache as well, and stay cached there after their
+restore, so one pool serves offloaded victims and cached prefixes; an offload shares the
+victim's leading blocks already cached there (its earlier offload, a demotion) instead of
+copying them again.
 
 Offload of a request moves its device table to freshly allocated host blocks: the device blocks
 become in-flight (released when the copy completes), the host blocks are owned by the request.
@@ -179,7 +179,7 @@ class KVBlockManager:
             else None
         )
         """What host caching demotes (None: every freed cached block)."""
-        # Requests whose admission found a cached prefix (their blocks free as "continued").
+        # Requests whose first admission continued a known prefix (freed as "continued").
         self._continued: set[str] = set()
 
     # ---- queries -------------------------------------------------------------------------
