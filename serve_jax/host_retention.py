@@ -26,8 +26,11 @@ served them); a key found on the device again leaves the shadow without a verdic
 demotion was not needed); a key pushed out of the shadow by newer ones was not reused in time.
 The estimate of a class is the share of its resolved keys that were reused, counted from one
 miss (nothing is demoted before a reuse has been seen: single-turn traffic is never demoted)
-with counts that decay (a traffic mix that changes is followed). Blocks
-of a class are demoted when its estimate is at least ``threshold``. The verdicts do not depend
+with counts that decay (a traffic mix that changes is followed). Blocks of a class are demoted
+when its estimate is at least ``threshold``, and every freed block is demoted while no request
+waits for device memory: the blocks a demotion holds in flight then delay nobody, and the rare
+reuse of a long context (a session's next turn after the device evicted it) still finds it on
+the host. The verdicts do not depend
 on what was demoted, so a class that stopped being demoted is still measured and comes back
 when its blocks are reused again. Pure Python (no JAX).
 """
@@ -79,9 +82,10 @@ class ReuseEstimator:
         reuses, misses = self._counts[cls]
         return reuses / (reuses + misses)
 
-    def worth_demoting(self, cls: str) -> bool:
-        """Whether blocks freed as ``cls`` should be copied to the host cache."""
-        return self.estimate(cls) >= self.threshold
+    def worth_demoting(self, cls: str, contended: bool = True) -> bool:
+        """Whether blocks freed as ``cls`` should be copied to the host cache; ``contended``:
+        whether a request waits for device memory (if not, a demotion costs nothing)."""
+        return not contended or self.estimate(cls) >= self.threshold
 
     def _verdict(self, cls: str, reused: bool) -> None:
         counts = self._counts[cls]

@@ -179,6 +179,8 @@ class KVBlockManager:
             else None
         )
         """What host caching demotes (None: every freed cached block)."""
+        self.memory_contended = True
+        """Whether a request waits for device memory (the scheduler sets it each step)."""
         # Requests whose first admission continued a known prefix (freed as "continued").
         self._continued: set[str] = set()
 
@@ -373,7 +375,7 @@ class KVBlockManager:
                 device = self.device
                 keys = [device.hash_of(d) for d in order if device.ref_count(d) == 1]
                 self.retention.freed([k for k in keys if k is not None], cls)
-                if self.retention.worth_demoting(cls):
+                if self.retention.worth_demoting(cls, self.memory_contended):
                     self._demote(order)
         self.device.free(request_id, order)
         return table

@@ -25,6 +25,8 @@ def test_estimator_learns_that_unreused_keys_are_not_worth_demoting():
     assert not est.worth_demoting("fresh")
     # Another class is measured on its own.
     assert est.estimate("continued") == 0.0
+    # With nobody waiting for device memory a demotion delays nobody: every class goes.
+    assert est.worth_demoting("continued", contended=False)
 
 
 def test_estimator_counts_only_an_unbroken_run_past_the_device_prefix():
@@ -70,9 +72,12 @@ def test_single_turn_traffic_stops_being_demoted_and_sessions_keep_theirs(retent
     demoted = [_run_and_free(mgr, Request(f"s{i}", [i + 3, 1, 2, 1, 5], 1, 0.0)) for i in range(40)]
     if retention == "all":
         assert demoted == [2] * 40
-    else:  # no reuse is ever seen: nothing is demoted
+    else:  # no reuse is ever seen: nothing is demoted while memory is contended
         assert sum(demoted) == 0
         assert mgr.retention.expired["fresh"] > 0 and mgr.retention.reused["fresh"] == 0
+        mgr.memory_contended = False  # (the scheduler's view: nobody waits for memory)
+        assert _run_and_free(mgr, Request("idle", [2, 1, 2, 1, 5], 1, 0.0)) == 2
+        mgr.memory_contended = True
     # A session whose turns re-send their context, the device forgetting it between turns:
     # its first turn is freed as the useless single-turn traffic was; the second turn is the
     # first "continued" one (no evidence for the class yet), its reuse by the third turn is,
@@ -93,19 +98,20 @@ def test_single_turn_traffic_stops_being_demoted_and_sessions_keep_theirs(retent
 
 
 def test_simulator_guided_host_tier_skips_single_turn_traffic():
-    """On a single-turn trace nothing comes back: predicted retention demotes only the blocks
-    of recompute victims (which their resumption looks up) and costs nothing; demoting every
-    freed block holds device blocks in flight for nothing and delays admissions."""
+    """On a single-turn trace nothing comes back: predicted retention demotes only while no
+    request waits for memory (and the blocks of recompute victims once their reuse is seen)
+    and costs nothing; demoting every freed block holds device blocks in flight for nothing
+    and delays admissions."""
     wl = load_trace("azure-code", limit=300)
     base = SimConfig(kv_memory_gb=2.0, host_memory_gb=1.0)
     off = simulate(wl, "fcfs_last", base)
     host = dict(host_prefix_caching=True)
     guided = simulate(wl, "fcfs_last", dataclasses.replace(base, **host))
     every = simulate(wl, "fcfs_last", dataclasses.replace(base, **host, host_retention="all"))
-    horizon = int(1e9 // base.cost_model().block_bytes)
-    assert every.demoted_blocks > 10 * horizon and guided.demoted_blocks <= horizon
+    assert every.demoted_blocks > 3 * guided.demoted_blocks
     assert guided.host_hit_rate == every.host_hit_rate == 0.0
     assert guided.summary["ttft_ms"]["p99"] == pytest.approx(off.summary["ttft_ms"]["p99"])
+    assert guided.goodput_req_s == pytest.approx(off.goodput_req_s)
     assert every.summary["ttft_ms"]["p99"] > 1.1 * off.summary["ttft_ms"]["p99"]
 
 
