@@ -24,9 +24,13 @@ An admission resolves the shadow: the keys it needs beyond the prefix found on t
 found in the shadow in one unbroken run, are *reuses* (a host cache holding them would have
 served them); a key found on the device again leaves the shadow without a verdict (its
 demotion was not needed); a key pushed out of the shadow by newer ones was not reused in time.
-The estimate of a class is the share of its resolved keys that were reused, with a prior of
-one reuse and one miss and counts that decay (a traffic mix that changes is followed). Blocks
-of a class are demoted when its estimate is at least ``threshold``. The verdicts do not depend
+The estimate of a class is the share of its resolved keys that were reused, counted from one
+miss (nothing is demoted before a reuse has been seen: single-turn traffic is never demoted)
+with counts that decay (a traffic mix that changes is followed). Blocks of a class are demoted
+when its estimate is at least ``threshold``, and every freed block is demoted while no request
+waits for device memory: the blocks a demotion holds in flight then delay nobody, and the rare
+reuse of a long context (a session's next turn after the device evicted it) still finds it on
+the host. The verdicts do not depend
 on what was demoted, so a class that stopped being demoted is still measured and comes back
 when its blocks are reused again. Pure Python (no JAX).
 """
@@ -66,8 +70,8 @@ class ReuseEstimator:
         self.threshold = threshold
         self.decay = decay
         self._shadow: OrderedDict[Hashable, str] = OrderedDict()
-        # class -> [reuses, misses], each starting from the prior of one
-        self._counts = {c: [1.0, 1.0] for c in REUSE_CLASSES}
+        # class -> [reuses, misses], from one miss (no demotion before a reuse is seen)
+        self._counts = {c: [0.0, 1.0] for c in REUSE_CLASSES}
         self.reused = dict.fromkeys(REUSE_CLASSES, 0)
         """Keys of each class found again by an admission that needed them (not decayed)."""
         self.expired = dict.fromkeys(REUSE_CLASSES, 0)
@@ -78,9 +82,10 @@ class ReuseEstimator:
         reuses, misses = self._counts[cls]
         return reuses / (reuses + misses)
 
-    def worth_demoting(self, cls: str) -> bool:
-        """Whether blocks freed as ``cls`` should be copied to the host cache."""
-        return self.estimate(cls) >= self.threshold
+    def worth_demoting(self, cls: str, contended: bool = True) -> bool:
+        """Whether blocks freed as ``cls`` should be copied to the host cache; ``contended``:
+        whether a request waits for device memory (if not, a demotion costs nothing)."""
+        return not contended or self.estimate(cls) >= self.threshold
 
     def _verdict(self, cls: str, reused: bool) -> None:
         counts = self._counts[cls]

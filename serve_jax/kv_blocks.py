@@ -33,13 +33,13 @@ same cache, keyed by the same chained hashes. A cached device block freed by its
 again often enough; ``host_retention="all"``: always): copied to a host block (the host's least
 recently used cached block is evicted for it; nothing is demoted when every host block is
 held), both blocks in flight until the copy lands (`take_demotions` hands the copies to the
-scheduler). An
-admission whose device prefix stops where the host cache goes on *promotes* those blocks
-(`lookup`, `take_prefix`): fresh device blocks, registered under the same keys, filled by
-host -> device copies before the step's compute, instead of recomputed. Offloaded victims' full
-blocks are registered in the host cache as well, and stay cached there after their restore, so
-one pool serves offloaded victims and cached prefixes; an offload shares the victim's leading
-blocks already cached there (its earlier offload, a demotion) instead of copying them again.
+scheduler). An admission whose device prefix stops where the host cache goes on *promotes*
+those blocks (`lookup`, `take_prefix`): fresh device blocks, registered under the same keys,
+filled by host -> device copies before the step's compute, instead of recomputed. Offloaded
+victims' full blocks are registered in the host cache as well, and stay cached there after their
+restore, so one pool serves offloaded victims and cached prefixes; an offload shares the
+victim's leading blocks already cached there (its earlier offload, a demotion) instead of
+copying them again.
 
 Offload of a request moves its device table to freshly allocated host blocks: the device blocks
 become in-flight (released when the copy completes), the host blocks are owned by the request.
@@ -179,7 +179,9 @@ class KVBlockManager:
             else None
         )
         """What host caching demotes (None: every freed cached block)."""
-        # Requests whose admission found a cached prefix (their blocks free as "continued").
+        self.memory_contended = True
+        """Whether a request waits for device memory (the scheduler sets it each step)."""
+        # Requests whose first admission continued a known prefix (freed as "continued").
         self._continued: set[str] = set()
 
     # ---- queries -------------------------------------------------------------------------
@@ -373,7 +375,7 @@ class KVBlockManager:
                 device = self.device
                 keys = [device.hash_of(d) for d in order if device.ref_count(d) == 1]
                 self.retention.freed([k for k in keys if k is not None], cls)
-                if self.retention.worth_demoting(cls):
+                if self.retention.worth_demoting(cls, self.memory_contended):
                     self._demote(order)
         self.device.free(request_id, order)
         return table

@@ -462,8 +462,10 @@ class Scheduler:
             self._held_offloaded = []
 
         if self.blocks.host_caching:
-            # Cached blocks freed since the last plan are copied to the host cache.
+            # Cached blocks freed since the last plan are copied to the host cache; what is
+            # demoted next depends on whether anything waits for memory.
             out.offloads.extend(self.blocks.take_demotions())
+            self.blocks.memory_contended = bool(self.waiting or self.offloaded)
         block_tables = out.block_tables
         for chunk in prefills:
             block_tables[chunk.request_id] = list(tables[chunk.request_id])

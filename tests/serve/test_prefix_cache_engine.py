@@ -119,7 +119,12 @@ def test_host_cache_level_promotes_evicted_prefixes_exactly(model):
     results = {}
     for host in (False, True):
         cfg = load_engine_config(
-            "tiny_cpu", ["cache.num_device_blocks=16", f"cache.host_prefix_caching={host}"]
+            "tiny_cpu",
+            [
+                "cache.num_device_blocks=16",
+                f"cache.host_prefix_caching={host}",
+                "cache.host_retention=all",  # (every page demoted: no reuse evidence needed)
+            ],
         )
         eng = Engine(cfg, model=model)
         params = SamplingParams(max_tokens=10, ignore_eos=True)
