@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
+from itertools import islice
 
 __all__ = ["BlockAccountingError", "BlockPool"]
 
@@ -65,6 +66,21 @@ class BlockPool:
         """How many of ``blocks`` sit in the free queue (cached, unowned)."""
         free = self._free
         return sum(1 for b in blocks if b in free)
+
+    def is_free(self, block: int) -> bool:
+        """Whether ``block`` sits in the free queue."""
+        return block in self._free
+
+    def oldest_free(self, n: int) -> list[int]:
+        """The first ``n`` blocks of the free queue (the next ones `allocate` takes)."""
+        return list(islice(self._free, n))
+
+    def evict_first(self, blocks: Sequence[int]) -> None:
+        """Moves free ``blocks`` to the front of the free queue, in order: `allocate` takes (and
+        evicts) them before the others."""
+        free = self._free
+        for b in reversed(blocks):
+            free.move_to_end(b, last=False)
 
     def is_pinned(self, block: int) -> bool:
         """Whether a copy from or to ``block`` is in flight."""

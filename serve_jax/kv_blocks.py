@@ -60,6 +60,10 @@ from serve_jax.host_retention import RETENTION_MODES, ReuseEstimator
 if TYPE_CHECKING:
     from serve_jax.interface import Request
 
+EVICTION_WINDOW = 64
+"""Guided host eviction looks this many blocks past the ones it needs at the front of the host
+free queue (least recently used first) and evicts the least valuable of them."""
+
 _DEMOTING = "<demoting>"
 _PROMOTING = "<promoting>"
 """Owners of a host block for the moment of pinning it (a demotion or a promotion copy)."""
@@ -183,6 +187,10 @@ class KVBlockManager:
         """Whether a request waits for device memory (the scheduler sets it each step)."""
         # Requests whose first admission continued a known prefix (freed as "continued").
         self._continued: set[str] = set()
+        # Guided retention: (device block, key, class) freed to be demoted at the plan's end;
+        # the reuse class of each cached host block (its value when the host must evict).
+        self._to_demote: list[tuple[int, Hashable, str]] = []
+        self._host_class: dict[int, str] = {}
 
     # ---- queries -------------------------------------------------------------------------
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -303,32 +311,81 @@ class KVBlockManager:
         self._num_registered[rid] = len(table)
         return pairs
 
-    def take_demotions(self) -> list[tuple[int, int]]:
+    def take_demotions(self, keep_free: int = 0) -> list[tuple[int, int]]:
         """(device, host) copies of cached blocks demoted since the last call (the scheduler
-        issues them with its next step's offloads)."""
+        issues them with its next step's offloads, once that step's plan is made).
+
+        With guided retention, the blocks of recompute victims are demoted here, not when the
+        preemption frees them (it freed them because the step needs memory): those still free
+        and cached once the plan is made (a block the plan took is not held in flight for a
+        copy), and only as many as leave ``keep_free`` device blocks free (the scheduler's
+        estimate of what its next step needs)."""
+        if self._to_demote:
+            device = self.device
+            chosen = [
+                (d, h, cls)
+                for d, h, cls in self._to_demote
+                if device.is_free(d) and device.hash_of(d) == h
+            ]
+            self._to_demote = []
+            self._copy_to_host(chosen, max(0, device.num_free - keep_free), held=False)
         out, self._demotions = self._demotions, []
         return out
 
-    def _demote(self, blocks: Sequence[int]) -> None:
-        """Copies each of ``blocks`` that its holder is about to free for the last time, that is
-        cached and that the host cache lacks, to a host block (evicting the host's least
-        recently used cached block); both stay in flight until the copy completes."""
+    def _copy_to_host(
+        self, blocks: Sequence[tuple[int, Hashable, str | None]], limit: int, held: bool
+    ) -> None:
+        """Demotes (device block, key, reuse class) triples whose key the host cache lacks, at
+        most ``limit`` of them and as many as the host has free blocks for; ``held``: their
+        holder frees them next (else they are free, and leave the free queue while copied).
+        Both blocks of each copy stay in flight until it completes."""
         device, host = self.device, self.host
-        for d in blocks:
-            if device.ref_count(d) != 1 or device.is_pinned(d):
-                continue
-            h = device.hash_of(d)
-            if h is None or host.cached_block(h) is not None:
-                continue
-            if not host.num_free:
-                return
-            (hb,) = host.allocate(_DEMOTING, 1)
-            host.register(hb, h)
-            host.pin([hb])
-            host.free(_DEMOTING, [hb])
-            device.pin([d])
+        chosen: list[tuple[int, Hashable, str | None]] = []
+        seen: set[Hashable] = set()
+        for d, h, cls in blocks:
+            if h not in seen and host.cached_block(h) is None:
+                seen.add(h)
+                chosen.append((d, h, cls))
+        chosen = chosen[: min(limit, host.num_free)]
+        if not chosen:
+            return
+        hbs = self._host_allocate(_DEMOTING, len(chosen))
+        devs = [d for d, _, _ in chosen]
+        if not held:
+            device.touch(devs)
+        device.pin(devs)
+        if not held:
+            device.free(_DEMOTING, devs)
+        host.register_many(hbs, [h for _, h, _ in chosen])
+        host.pin(hbs)
+        host.free(_DEMOTING, hbs)
+        for (d, _, cls), hb in zip(chosen, hbs):
+            if cls is not None:
+                self._host_class[hb] = cls
             self._demotions.append((d, hb))
-            self.demoted_blocks += 1
+        self.demoted_blocks += len(chosen)
+
+    def _host_allocate(self, owner: str, n: int) -> list[int]:
+        """``n`` host blocks for ``owner``. With guided retention, the host evicts by value:
+        among the ``n + EVICTION_WINDOW`` least recently used free blocks, uncached ones first,
+        then cached ones by the reuse estimate of the class their block was freed as (least
+        recently used first among equals); otherwise least recently used first."""
+        host = self.host
+        if self.retention is not None and n and host.num_cached:
+            estimate, classes = self.retention.estimate, self._host_class
+
+            def value(b: int) -> float:
+                if host.hash_of(b) is None:
+                    return -1.0
+                cls = classes.get(b)
+                return estimate(cls) if cls is not None else 0.0
+
+            host.evict_first(sorted(host.oldest_free(n + EVICTION_WINDOW), key=value)[:n])
+            out = host.allocate(owner, n)
+            for b in out:
+                classes.pop(b, None)
+            return out
+        return host.allocate(owner, n)
 
     def cache_computed(self, req: Request) -> None:
         """Registers ``req``'s full device blocks whose KV is computed (after each step)."""
@@ -363,20 +420,27 @@ class KVBlockManager:
         self._num_registered.pop(request_id, None)
         order = table[::-1]
         if self.host_caching and self.enable_prefix_caching:
-            if self.retention is None:
-                self._demote(order)
-            else:
+            device = self.device
+            freed = [
+                (d, h)
+                for d in order
+                if device.ref_count(d) == 1 and (h := device.hash_of(d)) is not None
+            ]
+            cls = None
+            if self.retention is not None:
                 if not finished:
                     cls = "preempted"
                 elif request_id in self._continued:
                     cls = "continued"
                 else:
                     cls = "fresh"
-                device = self.device
-                keys = [device.hash_of(d) for d in order if device.ref_count(d) == 1]
-                self.retention.freed([k for k in keys if k is not None], cls)
-                if self.retention.worth_demoting(cls, self.memory_contended):
-                    self._demote(order)
+                self.retention.freed([h for _, h in freed], cls)
+            if cls is None or self.retention.worth_demoting(cls, self.memory_contended):
+                demote = [(d, h, cls) for d, h in freed if not device.is_pinned(d)]
+                if cls == "preempted":  # (demoted once the plan that needed the memory is made)
+                    self._to_demote.extend(demote)
+                else:
+                    self._copy_to_host(demote, len(demote), held=True)
         self.device.free(request_id, order)
         return table
 
@@ -415,12 +479,14 @@ class KVBlockManager:
             self.host.touch(shared)
             self.offload_hit_blocks += len(shared)
         k = len(shared)
-        host = self.host.allocate(request_id, len(table) - k)
+        host = self._host_allocate(request_id, len(table) - k)
         self.host_tables[request_id] = shared + host
         if registered > k and self.host_caching:
             # The victim's full blocks become findable in the host cache too (and stay cached
-            # there after its restore frees them).
+            # there after its restore frees them, valued as a recompute victim's blocks).
             self.host.register_many(host[: registered - k], hashes[k:])
+            if self.retention is not None:
+                self._host_class.update(dict.fromkeys(host[: registered - k], "preempted"))
         self.device.pin(table[k:])
         self.host.pin(host)
         self.device.free(request_id, table)

@@ -462,9 +462,14 @@ class Scheduler:
             self._held_offloaded = []
 
         if self.blocks.host_caching:
-            # Cached blocks freed since the last plan are copied to the host cache; what is
-            # demoted next depends on whether anything waits for memory.
-            out.offloads.extend(self.blocks.take_demotions())
+            # Cached blocks freed since the last plan are copied to the host cache, keeping free
+            # what the next step needs (a block per running request, the queue head's blocks);
+            # what is demoted next depends on whether anything waits for memory.
+            queue = self.offloaded or self.waiting
+            keep = len(self.running)
+            if queue:
+                keep += self.blocks.num_blocks_for(queue[0].num_tokens)
+            out.offloads.extend(self.blocks.take_demotions(keep))
             self.blocks.memory_contended = bool(self.waiting or self.offloaded)
         block_tables = out.block_tables
         for chunk in prefills:
