@@ -127,3 +127,57 @@ def test_simulator_guided_host_tier_keeps_agentic_prefixes():
     assert guided.host_hit_rate > 0 and guided.host_hit_rate >= 0.5 * every.host_hit_rate
     assert guided.prefix_hit_rate > off.prefix_hit_rate
     assert guided.demoted_blocks < every.demoted_blocks
+
+
+def _computed(mgr: KVBlockManager, req: Request) -> None:
+    mgr.grow(req.request_id, req.num_tokens)
+    req.num_computed_tokens = req.num_tokens
+    mgr.cache_computed(req)
+
+
+def test_recompute_victims_blocks_are_demoted_after_the_plan_from_spare_memory_only():
+    mgr = KVBlockManager(8, 8, block_size=2, host_caching=True)
+    mgr.memory_contended = False  # (every class is worth demoting)
+    _computed(mgr, Request("b", [9, 9, 9, 9], 1, 0.0))  # 2 blocks
+    a = Request("a", [1, 2, 3, 4, 5, 6], 1, 0.0)
+    _computed(mgr, a)  # 3 full blocks; 3 blocks free
+    table = list(mgr.device_table("a"))
+    mgr.free_device("a")  # a recompute preemption: nothing is held in flight yet
+    assert mgr.device.num_in_flight == 0 and mgr.device.num_free == 6
+    # The step's plan takes 4 blocks: the 3 free ones, then a's last block (evicting it).
+    taken = mgr.grow("c", 8)
+    assert table[2] in taken
+    # Of a's 2 blocks still free and cached, one is demoted: the next step needs the other.
+    demotions = mgr.take_demotions(keep_free=1)
+    assert demotions and [d for d, _ in demotions] == [table[1]]
+    assert mgr.device.num_in_flight == 1 and mgr.device.num_free == 1
+    mgr.check_invariants()
+    mgr.complete_offload(demotions)
+    for rid in "abc":
+        mgr.free(rid)
+    mgr.complete_offload(mgr.take_demotions())
+    mgr.assert_all_free()
+
+
+def test_guided_host_cache_evicts_the_class_least_likely_reused_first():
+    mgr = KVBlockManager(8, 2, block_size=2, host_caching=True)
+    mgr.memory_contended = False
+    # Recompute victims' blocks have been reused, fresh requests' never.
+    mgr.retention.freed(["k"], "preempted")
+    mgr.retention.looked_up(["k"], on_device=0)
+    assert mgr.retention.estimate("preempted") > mgr.retention.estimate("fresh") == 0.0
+
+    def demote(rid, prompt, finished):
+        req = Request(rid, prompt, 1, 0.0)
+        _computed(mgr, req)  # 1 full block
+        mgr.free_device(rid, finished=finished)
+        mgr.complete_offload(mgr.take_demotions())
+        mgr.free(rid)
+        return mgr.block_hashes(req, 1)[0]
+
+    victim = demote("p", [1, 2, 9], finished=False)  # the host's least recently used block
+    fresh = demote("f", [3, 4, 9], finished=True)
+    demote("q", [5, 6, 9], finished=True)  # the host is full: one block must go
+    assert mgr.host.cached_block(victim) is not None  # (least recently used, but valued)
+    assert mgr.host.cached_block(fresh) is None
+    mgr.assert_all_free()
