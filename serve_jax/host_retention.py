@@ -30,9 +30,10 @@ with counts that decay (a traffic mix that changes is followed). Blocks of a cla
 when its estimate is at least ``threshold``, and every freed block is demoted while no request
 waits for device memory: the blocks a demotion holds in flight then delay nobody, and the rare
 reuse of a long context (a session's next turn after the device evicted it) still finds it on
-the host. The verdicts do not depend
-on what was demoted, so a class that stopped being demoted is still measured and comes back
-when its blocks are reused again. Pure Python (no JAX).
+the host. The verdicts do not depend on what was demoted, so a class that stopped being
+demoted is still measured and comes back when its blocks are reused again. The same
+estimates value the host cache's blocks when it must evict one (`serve_jax.kv_blocks`).
+Pure Python (no JAX).
 """
 
 from __future__ import annotations

@@ -30,10 +30,16 @@ Host cache level (``host_caching``, off by default): the host pool is a second l
 same cache, keyed by the same chained hashes. A cached device block freed by its last holder
 (finish or recompute preemption) is *demoted* when the retention rule keeps it
 (`serve_jax.host_retention`: by default, when blocks freed the same way have been looked up
-again often enough; ``host_retention="all"``: always): copied to a host block (the host's least
-recently used cached block is evicted for it; nothing is demoted when every host block is
-held), both blocks in flight until the copy lands (`take_demotions` hands the copies to the
-scheduler). An admission whose device prefix stops where the host cache goes on *promotes*
+again often enough; ``host_retention="all"``: always): copied to a host block, both blocks in
+flight until the copy lands (`take_demotions` hands the copies to the scheduler); nothing is
+demoted when every host block is held. The host evicts a cached block for it: with
+``host_retention="all"`` the least recently used one; by default the least valuable of the
+least recently used ones (uncached blocks first, then by the reuse estimate of the class the
+block was freed as). By default a recompute victim's blocks are demoted only once the plan
+that preempted it is made, those still free, and only from the device memory the next step
+does not need (they were freed because memory was short; `take_demotions`).
+
+An admission whose device prefix stops where the host cache goes on *promotes*
 those blocks (`lookup`, `take_prefix`): fresh device blocks, registered under the same keys,
 filled by host -> device copies before the step's compute, instead of recomputed. Offloaded
 victims' full blocks are registered in the host cache as well, and stay cached there after their
