@@ -182,22 +182,29 @@ class KVBlockManager:
     def block_hashes(self, req: Request, num_blocks: int) -> list[Hashable]:
         """The chained hashes of ``req``'s first ``num_blocks`` full blocks (memoized)."""
         hashes = self._hashes.setdefault(req.request_id, [])
-        bs = self.block_size
-        if len(hashes) < num_blocks:
+        done = len(hashes)
+        if done < num_blocks:
+            bs = self.block_size
             prompt, output = req.prompt_token_ids, req.output_token_ids
             num_prompt = len(prompt)
-            parent = hashes[-1] if hashes else None
             hash_fn = self._hash_fn
-            for k in range(len(hashes), num_blocks):
+            append = hashes.append
+            parent = hashes[-1] if hashes else None
+            extra = req.cache_salt if done == 0 else None  # (the first block's extra key)
+            # Blocks inside the prompt, then the one across its end and output blocks.
+            in_prompt = min(num_blocks, num_prompt // bs)
+            for lo in range(done * bs, in_prompt * bs, bs):
+                parent = hash_fn(parent, prompt[lo : lo + bs], extra)
+                extra = None
+                append(parent)
+            for k in range(max(done, in_prompt), num_blocks):
                 lo, hi = k * bs, (k + 1) * bs
-                if hi <= num_prompt:
-                    tokens = prompt[lo:hi]
-                elif lo >= num_prompt:
+                if lo >= num_prompt:
                     tokens = output[lo - num_prompt : hi - num_prompt]
                 else:
                     tokens = list(prompt[lo:]) + list(output[: hi - num_prompt])
                 parent = hash_fn(parent, tokens, req.cache_salt if k == 0 else None)
-                hashes.append(parent)
+                append(parent)
         return hashes
 
     def lookup_prefix(self, req: Request, max_tokens: int | None = None) -> list[int]:

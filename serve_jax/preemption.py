@@ -43,6 +43,7 @@ default (no limit). Ablations of ``predictive`` switch one part off at a time:
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING, Any
 
 from serve_jax.interface import (
@@ -193,6 +194,10 @@ class LeastComputedPolicy(VictimPolicy):
         return victims
 
 
+_HELD = operator.itemgetter(0)
+_REMAINING = operator.itemgetter(1)
+
+
 def predicted_peak_tokens(items: list[tuple[float, float]]) -> float:
     """Peak of ``sum_{i: r_i >= h} (c_i + h)`` over horizons ``h >= 0``.
 
@@ -205,13 +210,17 @@ def predicted_peak_tokens(items: list[tuple[float, float]]) -> float:
     if not items:
         return 0.0
     best, prefix_c = 0.0, 0.0
-    ordered = sorted(items, key=lambda x: -x[1])
-    for k, (c, r) in enumerate(ordered):
+    k = 0
+    for c, r in sorted(items, key=_REMAINING, reverse=True):  # (stable, as key -r)
         prefix_c += c
-        # Just before the request with the k-th longest remaining length finishes, the k+1
+        k += 1
+        # Just before the request with the k-th longest remaining length finishes, the k
         # requests with r >= r_k are all alive and each has grown by r_k tokens.
-        best = max(best, prefix_c + (k + 1) * r)
-    return max(best, sum(c for c, _ in items))
+        v = prefix_c + k * r
+        if v > best:  # (``max``, spelled out: the gate asks this every admission step)
+            best = v
+    total = sum(map(_HELD, items))
+    return total if total > best else best
 
 
 class _PredState:
@@ -282,24 +291,26 @@ class PredictivePolicy(VictimPolicy):
 
     # -- predictor bookkeeping ---------------------------------------------------------------
 
-    def _state(self, req: Request) -> _PredState:
+    def _fresh_state(self, req: Request, g: int) -> _PredState:
+        """``req``'s predictor state at ``g`` output tokens, re-conditioned on ``g`` when it is
+        new or ``refresh_tokens`` old."""
         st = req.predictor_state
         if not isinstance(st, _PredState):
             st = _PredState()
             req.predictor_state = st
-        return st
-
-    def remaining(self, req: Request) -> tuple[float, float]:
-        """(mean, gate-quantile) predicted remaining output tokens of ``req``."""
-        st = self._state(req)
-        g = req.num_output_tokens
         if st.generated_at_refresh < 0 or g - st.generated_at_refresh >= self.refresh_tokens:
             mean, gate = self.predictor.mean_and_quantile(
-                req.num_prompt_tokens, g, self.gate_quantile
+                len(req.prompt_token_ids), g, self.gate_quantile
             )
             st.generated_at_refresh = g
             st.remaining_at_refresh = mean
             st.gate_at_refresh = gate
+        return st
+
+    def remaining(self, req: Request) -> tuple[float, float]:
+        """(mean, gate-quantile) predicted remaining output tokens of ``req``."""
+        g = len(req.output_token_ids)
+        st = self._fresh_state(req, g)
         done = g - st.generated_at_refresh
         return max(st.remaining_at_refresh - done, 1.0), max(st.gate_at_refresh - done, 1.0)
 
@@ -384,11 +395,17 @@ class PredictivePolicy(VictimPolicy):
 
     def admission_limit(self, sched: Scheduler) -> int:
         """How many requests at the head of [offloaded..., waiting...] may be admitted now."""
+        return self.admission_limit_ahead(sched, 0, sched.blocks.device.num_free)
+
+    def admission_limit_ahead(self, sched: Scheduler, steps: int, free_blocks: int) -> int:
+        """`admission_limit` after ``steps`` more tokens of every running request, with
+        ``free_blocks`` free device blocks (see `VictimPolicy.admission_limit_ahead`): the
+        running requests' predictions are re-conditioned as they would be then."""
         queued = len(sched.offloaded) + len(sched.waiting)
         if not self.gate or queued == 0:
             return queued
         head = sched.offloaded[0] if sched.offloaded else sched.waiting[0]
-        if sched.blocks.num_blocks_for(head.num_tokens) > sched.blocks.device.num_free:
+        if sched.blocks.num_blocks_for(head.num_tokens) > free_blocks:
             # Not even the head's KV fits what is free now; nothing can be admitted this step
             # (and nothing may take the blocks a preemption frees in it).
             return 0
@@ -397,9 +414,14 @@ class PredictivePolicy(VictimPolicy):
         capacity = self._capacity_tokens()
         bs = sched.block_size
         items = []
+        fresh = self._fresh_state
         for r in sched.running:
-            _, q = self.remaining(r)
-            items.append((float(r.num_tokens + bs), q))  # + one block of rounding slack
+            # (`remaining`'s gate quantile, inlined: every running request, every gated step)
+            g = len(r.output_token_ids) + steps
+            st = fresh(r, g)
+            q = st.gate_at_refresh - (g - st.generated_at_refresh)
+            # + one block of rounding slack
+            items.append((float(len(r.prompt_token_ids) + g + bs), 1.0 if 1.0 > q else q))
         allowed = 0
         for req in _chain(sched.offloaded, sched.waiting):
             _, q = self.remaining(req)

@@ -354,7 +354,7 @@ def simulate(
         # the cached context of the turns before it, and nothing else.
         return Request(
             request_id=spec.request_id,
-            prompt_token_ids=[TOKEN] * spec.prompt_len,
+            prompt_token_ids=(TOKEN,) * spec.prompt_len,  # type: ignore[arg-type]
             max_tokens=output_lens[spec.request_id]
             if by_max_tokens
             else max(capacity - spec.prompt_len, 1),
