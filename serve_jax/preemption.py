@@ -284,6 +284,8 @@ class PredictivePolicy(VictimPolicy):
         self.on_tokens_every = record_every  # the log's grid: no other token needs a call
         self._total_blocks: int | None = None
         self._block_size = 16
+        # The last gate answer and the state it was for (see `admission_limit_ahead`).
+        self._last_gate: tuple[tuple[int, ...], int] | None = None
         if not gate:
             self.name = "predictive_nogate"
         elif not allow_offload:
@@ -381,6 +383,7 @@ class PredictivePolicy(VictimPolicy):
         """Learns the device pool size (called by the `Scheduler` at construction)."""
         self._total_blocks = sched.blocks.device.num_blocks
         self._block_size = sched.block_size
+        self._last_gate = None  # (a new scheduler's states)
 
     def _capacity_tokens(self, view: SchedulerView | None = None) -> float:
         total = self._total_blocks
@@ -400,7 +403,14 @@ class PredictivePolicy(VictimPolicy):
     def admission_limit_ahead(self, sched: Scheduler, steps: int, free_blocks: int) -> int:
         """`admission_limit` after ``steps`` more tokens of every running request, with
         ``free_blocks`` free device blocks (see `VictimPolicy.admission_limit_ahead`): the
-        running requests' predictions are re-conditioned as they would be then."""
+        running requests' predictions are re-conditioned as they would be then.
+
+        The simulator asks twice about the step it is about to run (once to see whether it
+        can skip it in a run, once from `Scheduler.schedule`); the second answer is the first
+        one, kept with the state it was for (the step, the free blocks and the number of
+        requests in each queue): a scheduler's requests only move in its steps, and asking
+        again at the same state would re-condition nothing.
+        """
         queued = len(sched.offloaded) + len(sched.waiting)
         if not self.gate or queued == 0:
             return queued
@@ -409,6 +419,16 @@ class PredictivePolicy(VictimPolicy):
             # Not even the head's KV fits what is free now; nothing can be admitted this step
             # (and nothing may take the blocks a preemption frees in it).
             return 0
+        state = (
+            sched.step_count + steps,
+            free_blocks,
+            len(sched.requests),
+            len(sched.running),
+            len(sched.waiting),
+        )
+        last = self._last_gate
+        if last is not None and last[0] == state:
+            return last[1]
         if self._total_blocks is None:
             self.attach(sched)
         capacity = self._capacity_tokens()
@@ -433,6 +453,7 @@ class PredictivePolicy(VictimPolicy):
             allowed += 1
             if len(items) >= sched.max_num_seqs:
                 break
+        self._last_gate = (state, allowed)
         return allowed
 
     def _cheap_to_preempt(self, sched: Scheduler, req: Request, q: float, items) -> bool:

@@ -64,28 +64,37 @@ def quiet_run_length(
         if not n_out or req.num_computed_tokens != len(req.prompt_token_ids) + n_out - 1:
             return 0, 0  # still prefilling (or a one-token prefill left)
         # The step where it samples its stop token or reaches max_tokens ends the run.
-        finish = min(finish, req.max_tokens - n_out - 1, before_stop(req))
+        left = req.max_tokens - n_out - 1
+        if left < finish:
+            finish = left
+        left = before_stop(req)
+        if left < finish:
+            finish = left
         if finish + 1 < MIN_RUN:
             return 0, 0
+    horizon = min(finish + 1, max_steps)
+    # Memory: the run's block allocations, in step order, must come from the free blocks
+    # (at most one every ``bs`` steps of each request).
+    free = blocks.device.num_free
+    bs = sched.block_size
+    if len(running) * -(-horizon // bs) > free:
+        tables = blocks.device_tables
+        steps = []
+        for req in running:
+            j = len(tables.get(req.request_id, ())) * bs - req.num_computed_tokens
+            while j < horizon:
+                steps.append(j)
+                j += bs
+        if len(steps) > free:
+            steps.sort()
+            horizon = steps[free]  # that step would be short of blocks
+    if horizon < MIN_RUN:
+        return 0, 0
     if sched.waiting:
         # Asked as `Scheduler.schedule` will ask `admission_limit` at this step.
-        if sched.policy.admission_limit_ahead(sched, 0, blocks.device.num_free) != 0:
+        if sched.policy.admission_limit_ahead(sched, 0, free) != 0:
             return 0, 0  # the step may admit (or the policy cannot tell: None)
-    horizon = min(finish + 1, max_steps)
-    # Memory: the run's block allocations, in step order, must come from the free blocks.
-    free = blocks.device.num_free
-    tables = blocks.device_tables
-    bs = sched.block_size
-    steps = []
-    for req in running:
-        j = len(tables.get(req.request_id, ())) * bs - req.num_computed_tokens
-        while j < horizon:
-            steps.append(j)
-            j += bs
-    if len(steps) > free:
-        steps.sort()
-        horizon = steps[free]  # that step would be short of blocks
-    return (horizon, finish) if horizon >= MIN_RUN else (0, 0)
+    return horizon, finish
 
 
 def run_quiet_decodes(
