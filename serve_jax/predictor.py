@@ -21,6 +21,9 @@ learns from every completed request (`observe`). Nothing here reads the request'
 the simulator forces output lengths through ``max_tokens``, so a ``cap`` must only be passed
 where ``max_tokens`` is a user cap, not the answer.
 
+`predicted_peak_tokens` turns the predictions of a set of requests into the most tokens they
+will hold at once (the memory test of `serve_jax.preemption`'s predictive policy).
+
 `PredictionLog` records predictions made while requests run (at admission and then at every
 ``record_every`` tokens), and when they finish reports MAE and the calibration of the predicted
 quantiles (the fraction of outcomes at or below the q-quantile should be close to q).
@@ -31,12 +34,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import operator
 from collections import deque
 from statistics import NormalDist
 
 import numpy as np
 
-__all__ = ["Prediction", "RemainingLengthPredictor", "PredictionLog"]
+__all__ = ["Prediction", "RemainingLengthPredictor", "PredictionLog", "predicted_peak_tokens"]
 
 _STD_NORMAL = NormalDist()
 _SQRT2 = math.sqrt(2.0)  # as `statistics.NormalDist.cdf` divides by it
@@ -383,3 +387,32 @@ class PredictionLog:
         for q, c in self.covered.items():
             out[f"coverage_q{int(round(q * 100)):02d}"] = c / n if n else float("nan")
         return out
+
+
+_HELD = operator.itemgetter(0)
+_REMAINING = operator.itemgetter(1)
+
+
+def predicted_peak_tokens(items: list[tuple[float, float]]) -> float:
+    """Peak of ``sum_{i: r_i >= h} (c_i + h)`` over horizons ``h >= 0``.
+
+    Args:
+      items: ``(c_i, r_i)``: tokens held now and predicted remaining tokens of each request.
+
+    Returns:
+      The predicted peak number of tokens held at once (requests free their memory when done).
+    """
+    if not items:
+        return 0.0
+    best, prefix_c = 0.0, 0.0
+    k = 0
+    for c, r in sorted(items, key=_REMAINING, reverse=True):  # (stable, as key -r)
+        prefix_c += c
+        k += 1
+        # Just before the request with the k-th longest remaining length finishes, the k
+        # requests with r >= r_k are all alive and each has grown by r_k tokens.
+        v = prefix_c + k * r
+        if v > best:  # (``max``, spelled out: the gate asks this every admission step)
+            best = v
+    total = sum(map(_HELD, items))
+    return total if total > best else best

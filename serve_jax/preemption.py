@@ -43,7 +43,6 @@ default (no limit). Ablations of ``predictive`` switch one part off at a time:
 
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING, Any
 
 from serve_jax.interface import (
@@ -54,7 +53,7 @@ from serve_jax.interface import (
     SchedulerView,
     VictimPolicy,
 )
-from serve_jax.predictor import PredictionLog, RemainingLengthPredictor
+from serve_jax.predictor import PredictionLog, RemainingLengthPredictor, predicted_peak_tokens
 
 if TYPE_CHECKING:
     from serve_jax.scheduler import Scheduler
@@ -192,35 +191,6 @@ class LeastComputedPolicy(VictimPolicy):
             victims.append((req, PreemptMode.RECOMPUTE))
             freed += view.device_blocks_held.get(req.request_id, 0)
         return victims
-
-
-_HELD = operator.itemgetter(0)
-_REMAINING = operator.itemgetter(1)
-
-
-def predicted_peak_tokens(items: list[tuple[float, float]]) -> float:
-    """Peak of ``sum_{i: r_i >= h} (c_i + h)`` over horizons ``h >= 0``.
-
-    Args:
-      items: ``(c_i, r_i)``: tokens held now and predicted remaining tokens of each request.
-
-    Returns:
-      The predicted peak number of tokens held at once (requests free their memory when done).
-    """
-    if not items:
-        return 0.0
-    best, prefix_c = 0.0, 0.0
-    k = 0
-    for c, r in sorted(items, key=_REMAINING, reverse=True):  # (stable, as key -r)
-        prefix_c += c
-        k += 1
-        # Just before the request with the k-th longest remaining length finishes, the k
-        # requests with r >= r_k are all alive and each has grown by r_k tokens.
-        v = prefix_c + k * r
-        if v > best:  # (``max``, spelled out: the gate asks this every admission step)
-            best = v
-    total = sum(map(_HELD, items))
-    return total if total > best else best
 
 
 class _PredState:
@@ -424,7 +394,7 @@ class PredictivePolicy(VictimPolicy):
             free_blocks,
             len(sched.requests),
             len(sched.running),
-            len(sched.waiting),
+            queued,
         )
         last = self._last_gate
         if last is not None and last[0] == state:
