@@ -43,10 +43,8 @@ class BlockPool:
         # blocks freed by their last owner while pinned: returned to the free queue on last unpin
         self._released_when_unpinned: set[int] = set()
         self._hash_of: dict[int, Hashable] = {}
-        # hash -> the block holding that prefix, or the blocks in registration order once a
-        # restored or recomputed copy duplicates one (a plain int for the usual single copy
-        # keeps registration and eviction cheap)
-        self._blocks_of: dict[Hashable, int | dict[int, None]] = {}
+        # hash -> blocks holding that prefix (a restored or recomputed copy may duplicate one)
+        self._blocks_of: dict[Hashable, dict[int, None]] = {}
 
     @property
     def num_free(self) -> int:
@@ -87,12 +85,9 @@ class BlockPool:
                 h = hash_of.pop(b, None)
                 if h is not None:  # evicted from the prefix cache
                     copies = blocks_of[h]
-                    if copies.__class__ is int:
+                    del copies[b]
+                    if not copies:
                         del blocks_of[h]
-                    else:
-                        del copies[b]
-                        if not copies:
-                            del blocks_of[h]
         self._refs.update(dict.fromkeys(out, 1))
         return out
 
@@ -162,33 +157,34 @@ class BlockPool:
     def cached_block(self, block_hash: Hashable) -> int | None:
         """A block registered under ``block_hash`` (the first registered), or None."""
         copies = self._blocks_of.get(block_hash)
-        if copies is None or copies.__class__ is int:
-            return copies
-        return next(iter(copies))
+        return next(iter(copies)) if copies else None
 
     def register(self, block: int, block_hash: Hashable) -> None:
         """Registers the full, computed ``block`` under ``block_hash`` (a block keeps its first
         hash; several blocks may hold one prefix, each findable until evicted)."""
         if block in self._hash_of:
             return
-        self.register_many((block,), (block_hash,))
+        if self._refs.get(block, 0) <= 0:
+            raise BlockAccountingError(f"{self.name} pool: registering unowned block {block}")
+        self._blocks_of.setdefault(block_hash, {})[block] = None
+        self._hash_of[block] = block_hash
 
     def register_many(self, blocks: Sequence[int], hashes: Sequence[Hashable]) -> None:
         """`register` of each block with its hash (the hot path of `KVBlockManager`)."""
         hash_of, blocks_of, refs = self._hash_of, self._blocks_of, self._refs
         n = len(blocks)
-        if (
-            n > 4  # (the checks cost more than the loop for a decode's block)
-            and n == len(hashes)
-            and hash_of.keys().isdisjoint(blocks)
-            and blocks_of.keys().isdisjoint(hashes)
-            and len(set(blocks)) == n == len(set(hashes))
-            and refs.keys() >= set(blocks)
-        ):
-            # The usual case, at C speed: held blocks, none registered, each a new prefix.
-            blocks_of.update(zip(hashes, blocks))
-            hash_of.update(zip(blocks, hashes))
-            return
+        if n > 4 and n == len(hashes):  # (the checks cost more than a decode's one block)
+            held, keys = set(blocks), set(hashes)
+            if (
+                len(held) == n == len(keys)
+                and refs.keys() >= held
+                and hash_of.keys().isdisjoint(held)
+                and blocks_of.keys().isdisjoint(keys)
+            ):
+                # The usual case (a prompt's blocks): held, none registered, each a new key.
+                blocks_of.update({h: {b: None} for h, b in zip(hashes, blocks)})
+                hash_of.update(zip(blocks, hashes))
+                return
         for block, block_hash in zip(blocks, hashes):
             if block in hash_of:
                 continue
@@ -196,9 +192,7 @@ class BlockPool:
                 raise BlockAccountingError(f"{self.name} pool: registering unowned block {block}")
             copies = blocks_of.get(block_hash)
             if copies is None:
-                blocks_of[block_hash] = block
-            elif copies.__class__ is int:
-                blocks_of[block_hash] = {copies: None, block: None}
+                blocks_of[block_hash] = {block: None}
             else:
                 copies[block] = None
             hash_of[block] = block_hash
@@ -225,11 +219,10 @@ class BlockPool:
         for b in self._released_when_unpinned:
             if self._pins.get(b, 0) <= 0:
                 raise BlockAccountingError(f"{self.name} pool: released block {b} not pinned")
-        copies = {h: (c,) if c.__class__ is int else c for h, c in self._blocks_of.items()}
         for b, h in self._hash_of.items():
-            if b not in copies.get(h, ()):
+            if b not in self._blocks_of.get(h, ()):
                 raise BlockAccountingError(f"{self.name} pool: cache maps of block {b} disagree")
-        if sum(len(c) for c in copies.values()) != len(self._hash_of):
+        if sum(len(c) for c in self._blocks_of.values()) != len(self._hash_of):
             raise BlockAccountingError(f"{self.name} pool: cache maps differ in size")
         total = len(free_set) + len(held) + len(self._released_when_unpinned)
         if total != self.num_blocks:

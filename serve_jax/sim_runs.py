@@ -177,6 +177,7 @@ def _apply(
     allocations = []
     registrations = []
     caching = blocks.enable_prefix_caching
+    tokens = [TOKEN] * bulk
     for i, req in enumerate(running):
         c = computed[i]
         for j in range(len(tables.get(req.request_id, ())) * bs - c, k, bs):
@@ -185,8 +186,6 @@ def _apply(
             # after step j the request's computed tokens fill a block
             for j in range((-(c + 1)) % bs, k, bs):
                 registrations.append((j, i))
-    tokens = [TOKEN] * bulk
-    for req in running:
         req.output_token_ids.extend(tokens)  # the hashes of full blocks read them
     if allocations:
         allocations.sort()
