@@ -368,6 +368,8 @@ class PredictivePolicy(VictimPolicy):
 
     def admission_limit(self, sched: Scheduler) -> int:
         """How many requests at the head of [offloaded..., waiting...] may be admitted now."""
+        if not sched.waiting and not sched.offloaded:
+            return 0  # (nothing queued: the simulator's decode runs ask at every step)
         return self.admission_limit_ahead(sched, 0, sched.blocks.device.num_free)
 
     def admission_limit_ahead(self, sched: Scheduler, steps: int, free_blocks: int) -> int:
