@@ -327,17 +327,30 @@ class KVBlockManager:
 
     def cache_computed(self, req: Request) -> None:
         """Registers ``req``'s full device blocks whose KV is computed (after each step)."""
-        rid = req.request_id
-        table = self.device_tables.get(rid)
-        if not table or not self.enable_prefix_caching:
+        self.cache_computed_upto(((req, req.num_computed_tokens),))
+
+    def cache_computed_upto(self, items: Iterable[tuple[Request, int]]) -> None:
+        """For each ``(req, n)`` in order: `cache_computed` as if ``req`` had ``n`` tokens
+        computed (the simulator's decode runs register a run's blocks in one call)."""
+        if not self.enable_prefix_caching:
             return
-        done = self._num_registered.get(rid, 0)
-        full = min(req.num_computed_tokens // self.block_size, len(table))
-        if full <= done:
-            return
-        hashes = self.block_hashes(req, full)
-        self.device.register_many(table[done:full], hashes[done:full])
-        self._num_registered[rid] = full
+        tables, registered, bs = self.device_tables, self._num_registered, self.block_size
+        blocks: list[int] = []
+        keys: list[Hashable] = []
+        for req, n in items:
+            rid = req.request_id
+            table = tables.get(rid)
+            if not table:
+                continue
+            done = registered.get(rid, 0)
+            full = min(n // bs, len(table))
+            if full <= done:
+                continue
+            blocks += table[done:full]
+            keys += self.block_hashes(req, full)[done:full]
+            registered[rid] = full
+        if blocks:  # (in order: as one call per request would register them)
+            self.device.register_many(blocks, keys)
 
     # ---- device allocation ---------------------------------------------------------------
     def grow(self, request_id: str, num_tokens: int) -> list[int]:

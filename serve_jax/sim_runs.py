@@ -194,11 +194,7 @@ def _apply(
             tables.setdefault(running[i].request_id, []).append(block)
     if registrations:
         registrations.sort()
-        cache_computed = blocks.cache_computed
-        for j, i in registrations:
-            req = running[i]
-            req.num_computed_tokens = computed[i] + j + 1
-            cache_computed(req)
+        blocks.cache_computed_upto([(running[i], computed[i] + j + 1) for j, i in registrations])
     on_tokens = sched.tokens_hook()
     every = policy.on_tokens_every
     now = ends[bulk - 1]
