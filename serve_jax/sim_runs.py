@@ -57,6 +57,8 @@ def quiet_run_length(
     blocks = sched.blocks
     if blocks.has_copies_in_flight() or executor.has_copies_pending():
         return 0, 0
+    if sched.waiting and blocks.host_caching:
+        return 0, 0  # (the host tier's decisions at each plan's end may read the queue)
     finish = max_steps
     before_stop = executor.steps_before_stop
     for req in running:
