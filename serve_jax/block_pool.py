@@ -208,6 +208,19 @@ class BlockPool:
     def register_many(self, blocks: Sequence[int], hashes: Sequence[Hashable]) -> None:
         """`register` of each block with its hash (the hot path of `KVBlockManager`)."""
         hash_of, blocks_of, refs = self._hash_of, self._blocks_of, self._refs
+        n = len(blocks)
+        if n > 4 and n == len(hashes):  # (the checks cost more than a decode's one block)
+            held, keys = set(blocks), set(hashes)
+            if (
+                len(held) == n == len(keys)
+                and refs.keys() >= held
+                and hash_of.keys().isdisjoint(held)
+                and blocks_of.keys().isdisjoint(keys)
+            ):
+                # The usual case (a prompt's blocks): held, none registered, each a new key.
+                blocks_of.update({h: {b: None} for h, b in zip(hashes, blocks)})
+                hash_of.update(zip(blocks, hashes))
+                return
         for block, block_hash in zip(blocks, hashes):
             if block in hash_of:
                 continue

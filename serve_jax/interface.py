@@ -213,6 +213,17 @@ class VictimPolicy:
         """
         return None
 
+    def admission_limit_ahead(self, sched: Scheduler, steps: int, free_blocks: int) -> int | None:
+        """`admission_limit` as the scheduler will ask it ``steps`` decode-only steps from now,
+        if each of those steps decodes one token of every running request and nothing else
+        changes, with ``free_blocks`` device blocks free then; asking it has the effects asking
+        `admission_limit` then would have. None (the default): the policy cannot tell.
+
+        The simulator asks it to apply runs of decode steps at once while requests wait at the
+        gate (`serve_jax.sim_runs`), step by step, stopping at the first step that admits.
+        """
+        return None
+
 
 class FcfsLastPolicy(VictimPolicy):
     """vLLM V1's default: preempt the most recently admitted running request, by recompute.

@@ -221,22 +221,29 @@ class KVBlockManager:
     def block_hashes(self, req: Request, num_blocks: int) -> list[Hashable]:
         """The chained hashes of ``req``'s first ``num_blocks`` full blocks (memoized)."""
         hashes = self._hashes.setdefault(req.request_id, [])
-        bs = self.block_size
-        if len(hashes) < num_blocks:
+        done = len(hashes)
+        if done < num_blocks:
+            bs = self.block_size
             prompt, output = req.prompt_token_ids, req.output_token_ids
             num_prompt = len(prompt)
-            parent = hashes[-1] if hashes else None
             hash_fn = self._hash_fn
-            for k in range(len(hashes), num_blocks):
+            append = hashes.append
+            parent = hashes[-1] if hashes else None
+            extra = req.cache_salt if done == 0 else None  # (the first block's extra key)
+            # Blocks inside the prompt, then the one across its end and output blocks.
+            in_prompt = min(num_blocks, num_prompt // bs)
+            for lo in range(done * bs, in_prompt * bs, bs):
+                parent = hash_fn(parent, prompt[lo : lo + bs], extra)
+                extra = None
+                append(parent)
+            for k in range(max(done, in_prompt), num_blocks):
                 lo, hi = k * bs, (k + 1) * bs
-                if hi <= num_prompt:
-                    tokens = prompt[lo:hi]
-                elif lo >= num_prompt:
+                if lo >= num_prompt:
                     tokens = output[lo - num_prompt : hi - num_prompt]
                 else:
                     tokens = list(prompt[lo:]) + list(output[: hi - num_prompt])
                 parent = hash_fn(parent, tokens, req.cache_salt if k == 0 else None)
-                hashes.append(parent)
+                append(parent)
         return hashes
 
     def lookup(
@@ -395,17 +402,30 @@ class KVBlockManager:
 
     def cache_computed(self, req: Request) -> None:
         """Registers ``req``'s full device blocks whose KV is computed (after each step)."""
-        rid = req.request_id
-        table = self.device_tables.get(rid)
-        if not table or not self.enable_prefix_caching:
+        self.cache_computed_upto(((req, req.num_computed_tokens),))
+
+    def cache_computed_upto(self, items: Iterable[tuple[Request, int]]) -> None:
+        """For each ``(req, n)`` in order: `cache_computed` as if ``req`` had ``n`` tokens
+        computed (the simulator's decode runs register a run's blocks in one call)."""
+        if not self.enable_prefix_caching:
             return
-        done = self._num_registered.get(rid, 0)
-        full = min(req.num_computed_tokens // self.block_size, len(table))
-        if full <= done:
-            return
-        hashes = self.block_hashes(req, full)
-        self.device.register_many(table[done:full], hashes[done:full])
-        self._num_registered[rid] = full
+        tables, registered, bs = self.device_tables, self._num_registered, self.block_size
+        blocks: list[int] = []
+        keys: list[Hashable] = []
+        for req, n in items:
+            rid = req.request_id
+            table = tables.get(rid)
+            if not table:
+                continue
+            done = registered.get(rid, 0)
+            full = min(n // bs, len(table))
+            if full <= done:
+                continue
+            blocks += table[done:full]
+            keys += self.block_hashes(req, full)[done:full]
+            registered[rid] = full
+        if blocks:  # (in order: as one call per request would register them)
+            self.device.register_many(blocks, keys)
 
     # ---- device allocation ---------------------------------------------------------------
     def grow(self, request_id: str, num_tokens: int) -> list[int]:

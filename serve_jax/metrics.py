@@ -113,7 +113,10 @@ def request_latencies(records: Iterable[RequestRecord]) -> dict[str, np.ndarray]
 
 
 def summarize(
-    records: Iterable[RequestRecord], duration: float | None = None, slo: Slo | None = None
+    records: Iterable[RequestRecord],
+    duration: float | None = None,
+    slo: Slo | None = None,
+    latencies: dict[str, np.ndarray] | None = None,
 ) -> dict:
     """Aggregates request records into the benchmark summary (a JSON-able dict).
 
@@ -121,6 +124,7 @@ def summarize(
       records: one per request sent (failed ones with ``success=False``).
       duration: wall time of the run in seconds; default first arrival to last finish.
       slo: objectives for goodput (default `Slo()`).
+      latencies: `request_latencies` of ``records``, when the caller has computed it already.
 
     Returns:
       Counts, throughputs, ``goodput`` (requests/s meeting both SLOs; ``slo_met`` of them),
@@ -129,7 +133,7 @@ def summarize(
     slo = slo or Slo()
     records = list(records)
     done = _done(records)
-    lat = request_latencies(done)
+    lat = request_latencies(done) if latencies is None else latencies
     good = 0
     for r in done:
         t_first = (r.first_token_time - r.arrival_time) * 1e3

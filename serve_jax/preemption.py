@@ -53,7 +53,7 @@ from serve_jax.interface import (
     SchedulerView,
     VictimPolicy,
 )
-from serve_jax.predictor import PredictionLog, RemainingLengthPredictor
+from serve_jax.predictor import PredictionLog, RemainingLengthPredictor, predicted_peak_tokens
 
 if TYPE_CHECKING:
     from serve_jax.scheduler import Scheduler
@@ -193,27 +193,6 @@ class LeastComputedPolicy(VictimPolicy):
         return victims
 
 
-def predicted_peak_tokens(items: list[tuple[float, float]]) -> float:
-    """Peak of ``sum_{i: r_i >= h} (c_i + h)`` over horizons ``h >= 0``.
-
-    Args:
-      items: ``(c_i, r_i)``: tokens held now and predicted remaining tokens of each request.
-
-    Returns:
-      The predicted peak number of tokens held at once (requests free their memory when done).
-    """
-    if not items:
-        return 0.0
-    best, prefix_c = 0.0, 0.0
-    ordered = sorted(items, key=lambda x: -x[1])
-    for k, (c, r) in enumerate(ordered):
-        prefix_c += c
-        # Just before the request with the k-th longest remaining length finishes, the k+1
-        # requests with r >= r_k are all alive and each has grown by r_k tokens.
-        best = max(best, prefix_c + (k + 1) * r)
-    return max(best, sum(c for c, _ in items))
-
-
 class _PredState:
     """Per-request predictor state kept in ``Request.predictor_state``."""
 
@@ -275,6 +254,8 @@ class PredictivePolicy(VictimPolicy):
         self.on_tokens_every = record_every  # the log's grid: no other token needs a call
         self._total_blocks: int | None = None
         self._block_size = 16
+        # The last gate answer and the state it was for (see `admission_limit_ahead`).
+        self._last_gate: tuple[tuple[int, ...], int] | None = None
         if not gate:
             self.name = "predictive_nogate"
         elif not allow_offload:
@@ -282,24 +263,26 @@ class PredictivePolicy(VictimPolicy):
 
     # -- predictor bookkeeping ---------------------------------------------------------------
 
-    def _state(self, req: Request) -> _PredState:
+    def _fresh_state(self, req: Request, g: int) -> _PredState:
+        """``req``'s predictor state at ``g`` output tokens, re-conditioned on ``g`` when it is
+        new or ``refresh_tokens`` old."""
         st = req.predictor_state
         if not isinstance(st, _PredState):
             st = _PredState()
             req.predictor_state = st
-        return st
-
-    def remaining(self, req: Request) -> tuple[float, float]:
-        """(mean, gate-quantile) predicted remaining output tokens of ``req``."""
-        st = self._state(req)
-        g = req.num_output_tokens
         if st.generated_at_refresh < 0 or g - st.generated_at_refresh >= self.refresh_tokens:
             mean, gate = self.predictor.mean_and_quantile(
-                req.num_prompt_tokens, g, self.gate_quantile
+                len(req.prompt_token_ids), g, self.gate_quantile
             )
             st.generated_at_refresh = g
             st.remaining_at_refresh = mean
             st.gate_at_refresh = gate
+        return st
+
+    def remaining(self, req: Request) -> tuple[float, float]:
+        """(mean, gate-quantile) predicted remaining output tokens of ``req``."""
+        g = len(req.output_token_ids)
+        st = self._fresh_state(req, g)
         done = g - st.generated_at_refresh
         return max(st.remaining_at_refresh - done, 1.0), max(st.gate_at_refresh - done, 1.0)
 
@@ -370,6 +353,7 @@ class PredictivePolicy(VictimPolicy):
         """Learns the device pool size (called by the `Scheduler` at construction)."""
         self._total_blocks = sched.blocks.device.num_blocks
         self._block_size = sched.block_size
+        self._last_gate = None  # (a new scheduler's states)
 
     def _capacity_tokens(self, view: SchedulerView | None = None) -> float:
         total = self._total_blocks
@@ -384,22 +368,52 @@ class PredictivePolicy(VictimPolicy):
 
     def admission_limit(self, sched: Scheduler) -> int:
         """How many requests at the head of [offloaded..., waiting...] may be admitted now."""
+        if not sched.waiting and not sched.offloaded:
+            return 0  # (nothing queued: the simulator's decode runs ask at every step)
+        return self.admission_limit_ahead(sched, 0, sched.blocks.device.num_free)
+
+    def admission_limit_ahead(self, sched: Scheduler, steps: int, free_blocks: int) -> int:
+        """`admission_limit` after ``steps`` more tokens of every running request, with
+        ``free_blocks`` free device blocks (see `VictimPolicy.admission_limit_ahead`): the
+        running requests' predictions are re-conditioned as they would be then.
+
+        The simulator asks twice about the step it is about to run (once to see whether it
+        can skip it in a run, once from `Scheduler.schedule`); the second answer is the first
+        one, kept with the state it was for (the step, the free blocks and the number of
+        requests in each queue): a scheduler's requests only move in its steps, and asking
+        again at the same state would re-condition nothing.
+        """
         queued = len(sched.offloaded) + len(sched.waiting)
         if not self.gate or queued == 0:
             return queued
         head = sched.offloaded[0] if sched.offloaded else sched.waiting[0]
-        if sched.blocks.num_blocks_for(head.num_tokens) > sched.blocks.device.num_free:
+        if sched.blocks.num_blocks_for(head.num_tokens) > free_blocks:
             # Not even the head's KV fits what is free now; nothing can be admitted this step
             # (and nothing may take the blocks a preemption frees in it).
             return 0
+        state = (
+            sched.step_count + steps,
+            free_blocks,
+            len(sched.requests),
+            len(sched.running),
+            queued,
+        )
+        last = self._last_gate
+        if last is not None and last[0] == state:
+            return last[1]
         if self._total_blocks is None:
             self.attach(sched)
         capacity = self._capacity_tokens()
         bs = sched.block_size
         items = []
+        fresh = self._fresh_state
         for r in sched.running:
-            _, q = self.remaining(r)
-            items.append((float(r.num_tokens + bs), q))  # + one block of rounding slack
+            # (`remaining`'s gate quantile, inlined: every running request, every gated step)
+            g = len(r.output_token_ids) + steps
+            st = fresh(r, g)
+            q = st.gate_at_refresh - (g - st.generated_at_refresh)
+            # + one block of rounding slack
+            items.append((float(len(r.prompt_token_ids) + g + bs), 1.0 if 1.0 > q else q))
         allowed = 0
         for req in _chain(sched.offloaded, sched.waiting):
             _, q = self.remaining(req)
@@ -411,6 +425,7 @@ class PredictivePolicy(VictimPolicy):
             allowed += 1
             if len(items) >= sched.max_num_seqs:
                 break
+        self._last_gate = (state, allowed)
         return allowed
 
     def _cheap_to_preempt(self, sched: Scheduler, req: Request, q: float, items) -> bool:

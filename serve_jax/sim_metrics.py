@@ -70,7 +70,7 @@ class SimMetrics:
         """Counts a run of decode-only steps (`serve_jax.sim_runs`): ``starts_and_ends`` is the
         start of the first step followed by the end of each."""
         t = starts_and_ends
-        self.step_seconds.extend([float(t[j + 1] - t[j]) for j in range(len(t) - 1)])
+        self.step_seconds.extend(map(float.__sub__, t[1:], t))  # (each end less its start)
         self.run_steps += len(t) - 1
         self._prev_step_preempted = False
 

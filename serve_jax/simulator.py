@@ -358,7 +358,7 @@ def simulate(
         # the cached context of the turns before it, and nothing else.
         return Request(
             request_id=spec.request_id,
-            prompt_token_ids=[TOKEN] * spec.prompt_len,
+            prompt_token_ids=(TOKEN,) * spec.prompt_len,  # type: ignore[arg-type]
             max_tokens=output_lens[spec.request_id]
             if by_max_tokens
             else max(capacity - spec.prompt_len, 1),
@@ -447,7 +447,8 @@ def _result(pol, workload, feeder, sched, config: SimConfig, tally: SimMetrics) 
     makespan = max(t1 - t0, 0.0)
     records = [record_from(r) for r in completed]
     slo = Slo(config.slo_ttft_ms, config.slo_tpot_ms)
-    summary = summarize(records, makespan if makespan > 0 else None, slo)
+    latencies = request_latencies(records)
+    summary = summarize(records, makespan if makespan > 0 else None, slo, latencies)
     per_req = [r.num_preemptions for r in reqs.values()]
     pred_err = pol.log.summary() if hasattr(pol, "log") else None
     blocks = sched.blocks
@@ -470,7 +471,7 @@ def _result(pol, workload, feeder, sched, config: SimConfig, tally: SimMetrics) 
         steps=tally.steps,
         wall_seconds=tally.wall,
         summary=summary,
-        tpots_ms=request_latencies(records)["tpot"],
+        tpots_ms=latencies["tpot"],
         preemption_times=np.asarray(tally.preempt_times, dtype=np.float64),
         preemptions_per_request_max=max(per_req, default=0),
         preempted_requests=sum(1 for x in per_req if x > 0),

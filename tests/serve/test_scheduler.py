@@ -312,6 +312,36 @@ def test_block_pool_rejects_double_free_and_overallocation():
         pool.free("a", blocks[:1])
 
 
+def test_block_pool_copies_of_one_prefix_stay_findable_in_registration_order():
+    # One block per prefix is the usual case; a recomputed or restored copy duplicates one.
+    # The first registered copy is found until it is evicted, then the next; a bulk
+    # registration (a prompt's blocks) and one by one agree.
+    pool = BlockPool(12, "device")
+    blocks = pool.allocate("a", 6)
+    pool.register_many(blocks, ["p0", "p1", "p2", "p3", "p4", "p5"])  # bulk path
+    again = pool.allocate("b", 3)
+    pool.register(again[0], "p1")
+    pool.register_many(again[1:], ["p2", "p9"])  # one copy more of p2, a new p9
+    pool.register(blocks[0], "other")  # a block keeps its first key
+    pool.check({"a": blocks, "b": again})
+    assert [pool.cached_block(h) for h in ("p0", "p1", "p2", "p9")] == [
+        blocks[0],
+        blocks[1],
+        blocks[2],
+        again[2],
+    ]
+    pool.free("a", blocks)
+    pool.allocate("c", 3 + 3)  # the 3 never-used blocks, then a's first three (evicted)
+    assert pool.cached_block("p0") is None
+    assert (pool.cached_block("p1"), pool.cached_block("p2")) == (again[0], again[1])
+    assert pool.cached_block("p3") == blocks[3] and pool.num_cached == 3 + 3
+    other = BlockPool(5, "device")
+    held = other.allocate("d", 5)
+    other.free("d", held[4:])
+    with pytest.raises(BlockAccountingError, match="unowned"):
+        other.register_many(held, ["r0", "r1", "r2", "r3", "r4"])  # the last one is free
+
+
 def test_in_flight_blocks_are_not_reused_until_copy_completes():
     mgr = KVBlockManager(4, 4, block_size=2)
     mgr.grow("a", 8)

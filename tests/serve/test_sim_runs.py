@@ -68,6 +68,30 @@ def test_decode_runs_give_the_same_results(case, policy):
         assert fast.predictor_error == slow.predictor_error
 
 
+class _CountingGate(PredictivePolicy):
+    """``predictive``, counting the times the simulator asks its gate about a later step."""
+
+    asked_ahead = 0
+
+    def admission_limit_ahead(self, sched, steps, free_blocks):
+        self.asked_ahead += steps > 0
+        return super().admission_limit_ahead(sched, steps, free_blocks)
+
+
+def test_decode_runs_while_requests_wait_at_the_gate():
+    # Memory pressure: requests wait at predictive's gate while the running ones decode. Those
+    # steps run at once, the gate asked at each as `schedule` asks it (its predictions
+    # re-conditioned at the same token counts), stopping at the first step that admits.
+    name, cfg = CASES[0]
+    wl = _workload(name)
+    gate = _CountingGate()
+    fast = simulate(wl, gate, cfg)
+    slow = simulate(wl, "predictive", dataclasses.replace(cfg, decode_runs=False))
+    _same(fast, slow)
+    assert fast.predictor_error == slow.predictor_error
+    assert gate.asked_ahead > 100
+
+
 def test_decode_runs_stop_at_arrivals_and_finishes():
     # Two long requests and a late arrival: the run must end before the step that would see
     # the arrival, and before each request's last token.
