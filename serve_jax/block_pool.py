@@ -21,7 +21,7 @@ class BlockPool:
     """A fixed set of reference-counted blocks with an LRU free queue and in-flight copies.
 
     With prefix caching, a full block may be registered under its content hash
-    (`hash_block_tokens`): it stays findable while it is owned and after it is freed, until
+    (`serve_jax.block_hash`): it stays findable while it is owned and after it is freed, until
     `allocate` takes it from the front of the free queue (least recently freed first) and
     evicts it. A cached block found again is *touched*: its reference count goes up and it
     leaves the free queue.
@@ -56,6 +56,11 @@ class BlockPool:
     def num_in_flight(self) -> int:
         """Blocks with no owner that return to the free queue when their copies complete."""
         return len(self._released_when_unpinned)
+
+    @property
+    def num_pinned(self) -> int:
+        """Blocks with a copy from or to them in flight."""
+        return len(self._pins)
 
     @property
     def num_cached(self) -> int:

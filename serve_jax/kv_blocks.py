@@ -51,15 +51,20 @@ Offload of a request moves its device table to freshly allocated host blocks: th
 become in-flight (released when the copy completes), the host blocks are owned by the request.
 Restore is the mirror image: device blocks are allocated to the request, the host blocks become
 in-flight until the executor reports the restore complete.
+
+One module past the ~500-line guideline, on purpose: the manager is the one owner of both
+pools' tables, and each host-level step (a demotion, a promotion, an offload sharing host-cached
+blocks) is interleaved with the device-table change it accompanies; split, the invariants above
+would span two classes. Block keys are in `serve_jax.block_hash`, the pools in
+`serve_jax.block_pool`, the retention estimate in `serve_jax.host_retention`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from serve_jax.block_hash import BLOCK_HASHES
 from serve_jax.block_pool import BlockAccountingError, BlockPool
 from serve_jax.host_retention import RETENTION_MODES, ReuseEstimator
 
@@ -79,37 +84,7 @@ __all__ = [
     "KVBlockManager",
     "BlockAccountingError",
     "blocks_for_tokens",
-    "hash_block_tokens",
-    "builtin_block_hash",
-    "BLOCK_HASHES",
 ]
-
-
-def hash_block_tokens(
-    parent: bytes | None, token_ids: Sequence[int], extra: object = None
-) -> bytes:
-    """The prefix-cache key of one full block: a 128-bit BLAKE2 digest of (parent block's key,
-    the block's token ids, extra keys such as a cache salt), so equal keys mean equal prefixes.
-    """
-    h = hashlib.blake2b(b"\x00" if parent is None else b"\x01" + parent, digest_size=16)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    if extra is not None:
-        h.update(repr(extra).encode())
-    return h.digest()
-
-
-def builtin_block_hash(parent: object, token_ids: Sequence[int], extra: object = None) -> int:
-    """A cheap prefix-cache key: Python's 64-bit ``hash`` of (parent key, token ids, extra).
-
-    About 5x cheaper than `hash_block_tokens`, for the simulator (no adversary; a collision,
-    about n^2 / 2^65 for n blocks, would only bend one result); the engine keeps BLAKE2, since
-    ints hash predictably and a crafted collision would share KV across requests.
-    """
-    return hash((parent, tuple(token_ids), extra))
-
-
-BLOCK_HASHES = {"blake2b": hash_block_tokens, "builtin": builtin_block_hash}
-"""The prefix-cache key functions by name (``KVBlockManager(block_hash=...)``)."""
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -128,7 +103,8 @@ class KVBlockManager:
       block_size: tokens per block.
       enable_prefix_caching: keep full device blocks findable by content (see the module
         docstring); off, every admission computes its whole context.
-      block_hash: the key function of full blocks, a name of `BLOCK_HASHES` (``blake2b``, the
+      block_hash: the key function of full blocks, a name of
+        `serve_jax.block_hash.BLOCK_HASHES` (``blake2b``, the
         default, or ``builtin``, the simulator's cheaper one).
       host_caching: the host pool as a second cache level (see the module docstring): cached
         device blocks freed by their last holder are demoted to host blocks, and an admission
@@ -556,7 +532,7 @@ class KVBlockManager:
 
     def has_copies_in_flight(self) -> bool:
         """Whether any offload or restore has not been reported complete."""
-        return bool(self.device._pins or self.host._pins)
+        return bool(self.device.num_pinned or self.host.num_pinned)
 
     # ---- checks --------------------------------------------------------------------------
     def check_invariants(self) -> None:
