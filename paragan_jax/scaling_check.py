@@ -14,9 +14,10 @@ everything else:
   median time), the cores one process keeps busy (CPU time per wall second) and the relative
   spread of its step time; with three widths, (width 1, 1 process) separates a fixed per-step
   cost from the FLOP rate;
-- fitted on (width 0, 2 processes): the per-hop latency of a collective inside the step (what
-  is left of the 2-process step after compute, bytes and jitter, per latency hop), and for the
-  async scheme the exchange's host cost (what is left of the 1 G + 1 D iteration);
+- fitted on (widths 0 and 1, 2 processes; width 0 alone with two widths): the per-hop latency
+  of a collective inside the step (what is left of the 2-process steps after compute, bytes and
+  jitter, per latency hop), and for the async scheme, at width 0, the exchange's host cost
+  (what is left of the 1 G + 1 D iteration, whose two groups share the cores);
 - measured apart: gloo's bandwidth from a bare all-reduce (`tapas_jax.collectives.fit_alpha_beta`)
   and the collectives XLA compiled into each program
   (`tapas_jax.collectives.compiled_collective_terms`);

@@ -28,11 +28,13 @@ def fit_and_predict(
 ) -> dict[str, Any]:
     """Fits on (first width; 1 and 2 processes) and predicts every other measured pair.
 
-    With three or more widths, the second width's 1-process step is fitted too, so that a step's
-    time is ``fixed + FLOPs / rate`` (a per-step cost that does not grow with the model: op
-    dispatch and small kernels, which dominate small models on a CPU) rather than ``FLOPs /
-    rate`` alone; the remaining widths are then a model size the fit never saw. With two
-    widths the fixed part is zero.
+    With three or more widths, the second width's 1- and 2-process steps are fitted too, so that
+    a step's time is ``fixed + FLOPs / rate`` (a per-step cost that does not grow with the model:
+    op dispatch and small kernels, which dominate small models on a CPU) rather than ``FLOPs /
+    rate`` alone, and the per-hop latency is read from two 2-process steps instead of one (on
+    two cores that single median moved 67-89 ms between quiet runs, and 3 and 4 processes
+    multiply its error by their hops); the remaining widths are then a model size the fit never
+    saw. With two widths the fixed part is zero.
 
     Async pairs (`paragan_jax.process_groups.GroupAsyncRunner`, measured when `res` has
     ``async:width:n`` step times) are predicted from the same fit: each group's step is its
@@ -64,7 +66,7 @@ def fit_and_predict(
     q25, q75 = np.percentile(base, [25, 75])
 
     w1 = widths[1] if len(widths) >= 3 else None
-    fitted = {(w0, 1), (w0, 2)} | ({(w1, 1)} if w1 is not None else set())
+    fitted = {(w0, 1), (w0, 2)} | ({(w1, 1), (w1, 2)} if w1 is not None else set())
 
     def rows_for(stat, with_jitter: bool):
         t1 = float(stat(base))
@@ -88,8 +90,12 @@ def fit_and_predict(
                 jit = jit_rel * expected_max_normal(n) * compute
                 measured = float(stat(res["step_times"][key]))
                 terms[(w, n)] = (measured, compute, hops, sent, jit, coll)
-        m2, c2, h2, s2, j2, _ = terms[(w0, 2)]
-        alpha = max(1e-6, (m2 - c2 - s2 / bw - j2) / h2) if h2 else 1e-6
+        # Per-hop latency: what the fitted widths' 2-process steps spend beyond compute,
+        # bandwidth and jitter, over their hops (two widths halve the noise of one on a CPU).
+        pts = [terms[(w, 2)] for w in ([w0] if w1 is None else [w0, w1])]
+        hops2 = sum(h for _, _, h, _, _, _ in pts)
+        spent2 = sum(m - c - s / bw - j for m, c, _, s, j, _ in pts)
+        alpha = max(1e-6, spent2 / hops2) if hops2 else 1e-6
         rows = []
         for (w, n), (measured, compute, hops, sent, jit, coll) in terms.items():
             comm = hops * alpha + sent / bw
@@ -98,8 +104,8 @@ def fit_and_predict(
             if (w, n) in fitted:
                 role = {
                     (w0, 1): "fits FLOP/s, cores, jitter",
-                    (w0, 2): "fits per-hop latency",
-                }.get((w, n), "fits fixed step cost")
+                    (w1, 1): "fits fixed step cost",
+                }.get((w, n), "fits per-hop latency")
             loads = res.get("load_average", {}).get(f"{w}:{n}", [])
             rows.append(
                 {
@@ -150,6 +156,30 @@ def fit_and_predict(
     }
 
 
+def _share_cores(alone_s: list[float], util: float, cores: int) -> list[float]:
+    """When each of several processes, started together, finishes its compute on shared cores.
+
+    A process alone takes ``alone_s`` seconds using ``util`` cores (``alone_s * util``
+    core-seconds of work). Running processes share the cores equally, none taking more than
+    ``util``; when one finishes, the others get its cores. With equal work this is the sync
+    rows' ``alone * max(1, n * util / cores)``; in the async scheme the smaller group finishes
+    first and the larger one runs on the freed cores for the rest of its step.
+    """
+    left = [t * util for t in alone_s]
+    done = [0.0] * len(left)
+    running, now = set(range(len(left))), 0.0
+    while running:
+        rate = min(util, cores / len(running))
+        step = min(left[i] for i in running) / rate
+        now += step
+        for i in list(running):
+            left[i] -= step * rate
+            if left[i] <= 1e-12 * max(1.0, alone_s[i]):
+                done[i] = now
+                running.discard(i)
+    return done
+
+
 def _async_rows(res, async_flops, fit, util: float, cores: int, bw: float, w0: int):
     """The async rows of `fit_and_predict` (see there) and the fitted exchange host cost."""
     stat, alpha, k = fit["stat"], fit["alpha"], int(res.get("staleness", 1))
@@ -158,9 +188,11 @@ def _async_rows(res, async_flops, fit, util: float, cores: int, bw: float, w0: i
         w, n = (int(v) for v in key.split(":")[1:])
         af = async_flops[f"{w}:{n}"]
         n_g = af["g_processes"]
-        crowd = max(1.0, n * util / cores)  # processes sharing the cores
-        t_g = (fit["fixed"] + af["g"] / fit["rate"]) * crowd
-        t_d = (fit["fixed"] + af["d"] / fit["rate"]) * crowd
+        alone_g = fit["fixed"] + af["g"] / fit["rate"]  # one process with the machine
+        alone_d = fit["fixed"] + af["d"] / fit["rate"]
+        t_g, t_d = _share_cores([alone_g] * n_g + [alone_d] * (n - n_g), util, cores)[
+            n_g - 1 : n_g + 1
+        ]
 
         def comm(name: str, p: int, key=key) -> float:
             c = res["collectives"].get(f"{key}:{name}")
@@ -169,7 +201,11 @@ def _async_rows(res, async_flops, fit, util: float, cores: int, bw: float, w0: i
             hops, sent = compiled_collective_terms(c["count"], c["moved_bytes"], c["devices"], p)
             return hops * alpha + sent / bw
 
-        side_g, side_d = t_g + comm("g", n_g), t_d + comm("d", n - n_g)
+        comm_g, comm_d = comm("g", n_g), comm("d", n - n_g)
+        if n <= cores:  # every process on a core of its own: the groups' rings run side by side
+            side_g, side_d = t_g + comm_g, t_d + comm_d
+        else:  # a hop needs both ends on a core at once: with fewer cores the rings take turns
+            side_g = side_d = max(t_g, t_d) + comm_g + comm_d
         snap = comm("exchange_snapshot", n)  # D's params ride along every k iterations
         exchange = snap if k == 1 else ((k - 1) * comm("exchange", n) + snap) / k
         jit = fit["jit_rel"] * expected_max_normal(n) * max(t_g, t_d)
