@@ -256,15 +256,25 @@ def _bench(argv: list[str]) -> int:
             res = loadgen.offload_overlap_benchmark(
                 args.preset, args.batch, args.context, steps=args.steps
             )
-            print(f"{'decode step':<36}{'ms':>10}")
-            print(f"{'no offload':<36}{res['no_offload_step_ms']:>10.2f}")
-            print(f"{'offload in flight':<36}{res['offload_step_ms']:>10.2f}")
             print(
-                f"offload / none = {res['offload_over_none']:.3f} "
-                f"({res['pages_offloaded_per_step']} of {res['pages_in_use']} pages, "
-                f"{res['offload_bytes_per_step'] / 2**20:.1f} MiB per step to "
-                f"{res['host_memory_kind']})"
+                f"decode steps in runs of {res['run_length']} (batch {res['batch']}, context "
+                f"{res['context']}, {res['pages_in_use']} pages in use; copies to "
+                f"{res['host_memory_kind']}), median ms per step"
             )
+            head = ("pages", "MiB/step", "plain", "overlapped", "serial", "ovl/plain", "ser/plain")
+            print("".join(f"{h:>11}" for h in head))
+            for row in res["fractions"]:
+                pages = f"{row['pages_offloaded_per_step']} ({100 * row['fraction']:.0f}%)"
+                cells = (
+                    pages,
+                    f"{row['offload_bytes_per_step'] / 2**20:.1f}",
+                    f"{row['plain_step_ms']:.2f}",
+                    f"{row['offload_step_ms']:.2f}",
+                    f"{row['serial_offload_step_ms']:.2f}",
+                    f"{row['offload_over_plain']:.3f}",
+                    f"{row['serial_over_plain']:.3f}",
+                )
+                print("".join(f"{c:>11}" for c in cells))
         write_json(args.json, {"command": f"bench --micro {args.micro}", "result": res})
         return 0
     if not args.url:
