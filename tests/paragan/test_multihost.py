@@ -234,3 +234,30 @@ def test_gs_workdirs_stay_remote_paths(tmp_path, capsys):
         assert main(args) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "gs://no-bucket/run" in err and "gcsfs" in err
+
+
+def test_a_process_other_than_0_writes_only_its_checkpoint_shares(tmp_path, capsys, monkeypatch):
+    """What process 1 of a multi-host run leaves in the workdir: nothing but its part of the
+    Orbax saves (every process takes part in them). No TensorBoard events, config, sample PNGs,
+    lock or summary, although periodic eval and sample grids are on. (The two-process run in
+    `test_two_processes_sigterm_saves_exits_0_and_the_rerun_resumes` shares one directory,
+    so only its single events file can tell the processes apart there.)"""
+    from paragan_jax import train, workdir
+
+    work = tmp_path / "run"
+    flags = ["--steps", "4", "--workdir", str(work), "--no-progress", *ONE]
+    flags += ["eval.every=2", "eval.sample_every=2", "checkpoint.every=2"]
+    assert cli.main(["train", "--config", "tiny", *flags]) == 0  # process 0: the full set
+    written = {p.relative_to(work).parts[0] for p in work.iterdir()}
+    assert {"tb", "config.yaml", "checkpoints"} <= written and any(work.glob("*.png"))
+    capsys.readouterr()
+
+    other = tmp_path / "other"
+    other.mkdir()  # process 0 creates the workdir; the others find it
+    for module in (cli, train, workdir):
+        monkeypatch.setattr(module, "is_primary", lambda: False)
+    flags[flags.index(str(work))] = str(other)
+    assert cli.main(["train", "--config", "tiny", *flags]) == 0
+    assert [p.name for p in other.iterdir()] == ["checkpoints"]
+    assert CheckpointStore(other / "checkpoints").steps()[-1] == 4
+    assert capsys.readouterr().out == ""
