@@ -23,12 +23,12 @@ from serve_jax.simulator import simulator_config_for_engine
 from serve_jax.workloads import RequestSpec, Workload
 
 
-def small_trace(n: int = 8, seed: int = 0) -> Workload:
+def small_trace(n: int = 8, seed: int = 0, gap_s: float = 0.01) -> Workload:
     rng = np.random.default_rng(seed)
     return Workload(
         "engine-check",
         tuple(
-            RequestSpec(f"e{i}", 0.01 * i, int(rng.integers(6, 20)), int(rng.integers(10, 30)))
+            RequestSpec(f"e{i}", gap_s * i, int(rng.integers(6, 20)), int(rng.integers(10, 30)))
             for i in range(n)
         ),
     )
@@ -45,9 +45,11 @@ def scaled_predictive() -> PredictivePolicy:
     "make", [lambda: "fcfs_last", scaled_predictive], ids=["fcfs_last", "predictive"]
 )
 def test_same_preemption_sequence_as_the_engine(make):
-    # 16 blocks of 4 tokens for 8 requests of up to ~50 tokens: preemptions are certain.
+    # 16 blocks of 4 tokens for 8 requests of up to ~50 tokens, all arrived by the end of the
+    # first step however fast steps are (10 us apart): preemptions are certain. (10 ms apart,
+    # warm steps of 0.4 ms let each request finish before the next arrived: no preemption.)
     cfg = load_engine_config("tiny_cpu", ["cache.num_device_blocks=16", "cache.num_host_blocks=0"])
-    wl = small_trace()
+    wl = small_trace(gap_s=1e-5)
     real = replay_on_engine(cfg, wl, make())
     assert all(r.num_output_tokens == s.output_len for r, s in zip(real.requests, wl.requests))
     sim = simulate_replay(wl, make(), simulator_config_for_engine(cfg), real)
