@@ -38,11 +38,12 @@ def fit_and_predict(
 
     Async pairs (`paragan_jax.process_groups.GroupAsyncRunner`, measured when `res` has
     ``async:width:n`` step times) are predicted from the same fit: each group's step is its
-    FLOPs at the fitted rate plus its own all-reduces at the fitted per-hop latency, the
-    iteration waits for the slower group, then pays the exchange (its compiled all-gather over
-    all processes). The first width at 2 processes (one G, one D) fits one more number, the
-    exchange's host cost (packing rows, placing arrays); 3 and 4 processes and the other widths
-    are predictions.
+    FLOPs at the fitted rate, on cores shared with the other group while both compute
+    (`_share_cores`), plus its own all-reduces at the fitted per-hop latency (the two groups'
+    rings take turns when processes outnumber cores); the iteration waits for the slower group,
+    then pays the exchange (its compiled all-gather over all processes). The first width at 2
+    processes (one G, one D) fits one more number, the exchange's host cost (packing rows,
+    placing arrays); 3 and 4 processes and the other widths are predictions.
 
     Args:
       res: the workers' measurements (`paragan_jax.scaling_check.run_processes`).
@@ -165,6 +166,8 @@ def _share_cores(alone_s: list[float], util: float, cores: int) -> list[float]:
     rows' ``alone * max(1, n * util / cores)``; in the async scheme the smaller group finishes
     first and the larger one runs on the freed cores for the rest of its step.
     """
+    if util <= 0 or cores <= 0:
+        raise ValueError(f"need util > 0 and cores > 0, got {util} and {cores}")
     left = [t * util for t in alone_s]
     done = [0.0] * len(left)
     running, now = set(range(len(left))), 0.0
