@@ -32,6 +32,7 @@ Steps that are not quiet (an arrival, a prefill, a preemption, a copy) run throu
 from __future__ import annotations
 
 from serve_jax.core import EngineCore
+from serve_jax.interface import VictimPolicy
 from serve_jax.sim_executor import TOKEN, SimulatedExecutor
 from serve_jax.sim_metrics import SimMetrics
 
@@ -57,8 +58,13 @@ def quiet_run_length(
     blocks = sched.blocks
     if blocks.has_copies_in_flight() or executor.has_copies_pending():
         return 0, 0
-    if sched.waiting and blocks.host_caching:
-        return 0, 0  # (the host tier's decisions at each plan's end may read the queue)
+    if sched.waiting and (
+        blocks.host_caching
+        # (the host tier's decisions at each plan's end may read the queue)
+        or type(sched.policy).admission_limit_ahead is VictimPolicy.admission_limit_ahead
+        # (the policy cannot tell whether a step admits: its answer would be None below)
+    ):
+        return 0, 0
     finish = max_steps
     before_stop = executor.steps_before_stop
     for req in running:
