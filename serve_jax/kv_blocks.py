@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING
 
 from serve_jax.block_hash import BLOCK_HASHES
 from serve_jax.block_pool import BlockAccountingError, BlockPool
-from serve_jax.host_retention import RETENTION_MODES, ReuseEstimator
+from serve_jax.host_retention import RETENTION_MODES, REUSE_CLASSES, ReuseEstimator
 
 if TYPE_CHECKING:
     from serve_jax.interface import Request
@@ -220,7 +220,8 @@ class KVBlockManager:
                     tokens = list(prompt[lo:]) + list(output[: hi - num_prompt])
                 parent = hash_fn(parent, tokens, req.cache_salt if k == 0 else None)
                 append(parent)
-        return hashes
+        # (the memo may be longer: a lookup with fewer tokens must not walk past them)
+        return hashes if len(hashes) == num_blocks else hashes[:num_blocks]
 
     def lookup(
         self, req: Request, max_tokens: int | None = None, host: bool = True
@@ -251,10 +252,6 @@ class KVBlockManager:
         """The device blocks of `lookup` (a restore shares them instead of copying back)."""
         return self.lookup(req, max_tokens, host=False)[0]
 
-    def num_free_among(self, blocks: Iterable[int]) -> int:
-        """How many of ``blocks`` sit in the free queue (a hit on them uses up a free block)."""
-        return self.device.num_free_among(blocks)
-
     def take_prefix(
         self, req: Request, blocks: list[int], host_blocks: Sequence[int] = ()
     ) -> list[tuple[int, int]]:
@@ -275,7 +272,7 @@ class KVBlockManager:
             if self.retention is not None:
                 keys = self.block_hashes(req, (req.num_tokens - 1) // bs)
                 seen = self.retention.looked_up(keys, len(blocks))
-                if (blocks or seen) and not req.num_preemptions:  # (a session's later turn)
+                if (blocks or host_blocks or seen) and not req.num_preemptions:  # (a later turn)
                     self._continued.add(req.request_id)
         if not blocks and not host_blocks:
             return []
@@ -361,13 +358,14 @@ class KVBlockManager:
         recently used first among equals); otherwise least recently used first."""
         host = self.host
         if self.retention is not None and n and host.num_cached:
-            estimate, classes = self.retention.estimate, self._host_class
+            classes = self._host_class
+            worth = {cls: self.retention.estimate(cls) for cls in REUSE_CLASSES}
 
             def value(b: int) -> float:
                 if host.hash_of(b) is None:
                     return -1.0
                 cls = classes.get(b)
-                return estimate(cls) if cls is not None else 0.0
+                return worth[cls] if cls is not None else 0.0
 
             host.evict_first(sorted(host.oldest_free(n + EVICTION_WINDOW), key=value)[:n])
             out = host.allocate(owner, n)
@@ -398,7 +396,7 @@ class KVBlockManager:
             if full <= done:
                 continue
             blocks += table[done:full]
-            keys += self.block_hashes(req, full)[done:full]
+            keys += self.block_hashes(req, full)[done:]
             registered[rid] = full
         if blocks:  # (in order: as one call per request would register them)
             self.device.register_many(blocks, keys)
@@ -437,7 +435,10 @@ class KVBlockManager:
                 else:
                     cls = "fresh"
                 self.retention.freed([h for _, h in freed], cls)
-            if cls is None or self.retention.worth_demoting(cls, self.memory_contended):
+            # A recompute victim waits for device memory itself: its blocks are contended
+            # whatever the last plan saw.
+            contended = self.memory_contended or not finished
+            if cls is None or self.retention.worth_demoting(cls, contended):
                 demote = [(d, h, cls) for d, h in freed if not device.is_pinned(d)]
                 if cls == "preempted":  # (demoted once the plan that needed the memory is made)
                     self._to_demote.extend(demote)

@@ -410,7 +410,7 @@ class Scheduler:
             # Blocks still cached on the device are shared, not copied back.
             hits = self.blocks.lookup_prefix(req, req.num_computed_tokens)[:held]
             need = max(held, self.blocks.num_blocks_for(req.num_computed_tokens + n)) - len(hits)
-            if need + self.blocks.num_free_among(hits) > device.num_free:
+            if need + device.num_free_among(hits) > device.num_free:
                 break
             self.offloaded.popleft()
             out.restores.extend(self.blocks.begin_restore(req.request_id, hits))
@@ -439,7 +439,7 @@ class Scheduler:
             computed = (len(hits) + len(promote)) * bs
             n = min(req.num_tokens - computed, budget)
             need = self.blocks.num_blocks_for(computed + n) - len(hits)
-            if need + self.blocks.num_free_among(hits) > device.num_free:
+            if need + device.num_free_among(hits) > device.num_free:
                 break
             self.waiting.popleft()
             out.restores.extend(self.blocks.take_prefix(req, hits, promote))
@@ -580,4 +580,5 @@ class Scheduler:
             "restore_cache_hit_blocks": self.blocks.restore_hit_blocks,
             "prefix_cache_host_hits": self.blocks.host_hits,
             "demoted_blocks": self.blocks.demoted_blocks,
+            "offload_host_hit_blocks": self.blocks.offload_hit_blocks,
         }

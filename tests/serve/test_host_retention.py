@@ -137,7 +137,12 @@ def _computed(mgr: KVBlockManager, req: Request) -> None:
 
 def test_recompute_victims_blocks_are_demoted_after_the_plan_from_spare_memory_only():
     mgr = KVBlockManager(8, 8, block_size=2, host_caching=True)
-    mgr.memory_contended = False  # (every class is worth demoting)
+    # Recompute victims' blocks have come back before: they are worth demoting. (A victim
+    # waits for memory itself, so the estimate decides even when nothing else waits.)
+    mgr.memory_contended = False
+    mgr.retention.freed(["k"], "preempted")
+    mgr.retention.looked_up(["k"], on_device=0)
+    assert mgr.retention.worth_demoting("preempted")
     _computed(mgr, Request("b", [9, 9, 9, 9], 1, 0.0))  # 2 blocks
     a = Request("a", [1, 2, 3, 4, 5, 6], 1, 0.0)
     _computed(mgr, a)  # 3 full blocks; 3 blocks free
@@ -180,4 +185,18 @@ def test_guided_host_cache_evicts_the_class_least_likely_reused_first():
     demote("q", [5, 6, 9], finished=True)  # the host is full: one block must go
     assert mgr.host.cached_block(victim) is not None  # (least recently used, but valued)
     assert mgr.host.cached_block(fresh) is None
+    mgr.assert_all_free()
+
+
+def test_a_recompute_victim_is_demoted_only_when_its_class_is_worth_it():
+    """A recompute victim waits for device memory itself: the last plan's quiet queue does not
+    let its blocks past the estimate."""
+    mgr = KVBlockManager(8, 8, block_size=2, host_caching=True)
+    mgr.memory_contended = False  # nothing else waited at the last plan
+    assert not mgr.retention.worth_demoting("preempted")  # (no reuse seen yet)
+    assert mgr.retention.worth_demoting("preempted", contended=False)
+    _computed(mgr, Request("a", [1, 2, 3, 4], 1, 0.0))
+    mgr.free_device("a")  # a recompute preemption
+    assert mgr.take_demotions() == [] and mgr.demoted_blocks == 0
+    mgr.free("a")
     mgr.assert_all_free()

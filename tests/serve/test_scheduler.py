@@ -506,7 +506,7 @@ def test_shared_blocks_are_reference_counted():
     a.num_computed_tokens = 5
     mgr.cache_computed(a)
     hits = mgr.lookup_prefix(b)
-    assert hits == mgr.device_table("a")[:2] and mgr.num_free_among(hits) == 0
+    assert hits == mgr.device_table("a")[:2] and mgr.device.num_free_among(hits) == 0
     mgr.take_prefix(b, hits)
     mgr.grow("b", 5)
     assert [mgr.device.ref_count(x) for x in hits] == [2, 2]
@@ -518,7 +518,7 @@ def test_shared_blocks_are_reference_counted():
     with pytest.raises(BlockAccountingError, match="nobody holds"):
         mgr.device.free("b", hits[:1])
     # Freed but cached: found again, and a hit on a free block uses up a free slot.
-    assert mgr.lookup_prefix(b) == hits and mgr.num_free_among(hits) == 2
+    assert mgr.lookup_prefix(b) == hits and mgr.device.num_free_among(hits) == 2
     assert mgr.prefix_hit_rate == 4 / 10
 
 
