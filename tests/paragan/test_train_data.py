@@ -18,7 +18,7 @@ from paragan_jax.distributed import free_port
 from paragan_jax.pipeline import trainer_batch_iterator_factory
 from paragan_jax.pipeline_control import PipelineConfig
 from paragan_jax.shards import write_shards
-from paragan_jax.train_data import global_batch_at, process_seed, reference_dataset
+from paragan_jax.train_data import process_seed, reference_dataset
 
 PER_SHARD = 10
 
@@ -37,6 +37,19 @@ def _config(path, *extra):
     return load_train_config("tiny", [*over, *extra])
 
 
+def _global_batch_at(config, process_count: int, index: int):
+    """Global batch `index` of a per-process shards run of `process_count` processes, computed
+    in one process (each process's part from its own shards, in process order: the rows of a
+    data axis laid out process by process, as ``jax.devices()`` orders them)."""
+    d = config.data
+    parts = []
+    for p in range(process_count):
+        dataset = load_dataset(config, p, process_count)
+        seed = process_seed(d.seed, p, process_count)
+        parts.append(batch_at(dataset, d.batch_size // process_count, seed, index))
+    return {k: np.concatenate([b[k] for b in parts]) for k in parts[0]}
+
+
 def _own(ids, process: int, count: int) -> bool:
     return all((i // PER_SHARD) % count == process for i in np.ravel(ids))
 
@@ -53,7 +66,7 @@ def test_each_process_batch_comes_from_its_shards_and_they_make_the_global_batch
         assert _own(epoch, p, 2) and len(np.unique(epoch)) == 48  # no example twice an epoch
         assert not np.array_equal(batch_at(d, 8, seeds[p], 6)["label"], epoch[0])  # new order
     for i in (0, 5, 6, 13):
-        glob = global_batch_at(cfg, 2, i)
+        glob = _global_batch_at(cfg, 2, i)
         for p in range(2):
             want = batch_at(parts[p], 8, seeds[p], i)
             np.testing.assert_array_equal(glob["label"][8 * p : 8 * (p + 1)], want["label"])
@@ -63,7 +76,7 @@ def test_each_process_batch_comes_from_its_shards_and_they_make_the_global_batch
     assert len(whole) == whole.epoch_size == 103
     for i in (0, 7):
         np.testing.assert_array_equal(
-            global_batch_at(cfg, 1, i)["label"], batch_at(whole, 16, 3, i)["label"]
+            _global_batch_at(cfg, 1, i)["label"], batch_at(whole, 16, 3, i)["label"]
         )
     with pytest.raises(
         DataError, match=r"process 1 serves 50 .* share of data.batch_size=128 \(64\)"
@@ -166,7 +179,7 @@ def test_two_processes_read_their_shards_and_resume_at_the_same_position(tmp_pat
     straight = _two_processes(tmp_path, tmp_path / "straight", 6, over)
     _two_processes(tmp_path, tmp_path / "part", 3, over)
     resumed = _two_processes(tmp_path, tmp_path / "part", 6, over)
-    want = global_batch_at(_config(tmp_path / "data"), 2, 5)["label"]
+    want = _global_batch_at(_config(tmp_path / "data"), 2, 5)["label"]
     for p in range(2):
         s, r = straight[p], resumed[p]
         assert (s["local_len"], s["batch_size"]) == ([53, 50][p], 8)  # its shards, its share
