@@ -75,6 +75,9 @@ def process_rows(mesh: Mesh, batch_size: int) -> dict[int, np.ndarray]:
 
 
 def _splits_over_processes(mesh: Mesh, batch_size: int, process_count: int) -> bool:
+    """Whether each process holds its own ``batch_size // process_count`` rows and together they
+    hold every row (so `process_count` divides `batch_size`). The mesh's data axis must divide
+    `batch_size` (`paragan_jax.state.check_batch_divides`)."""
     rows = process_rows(mesh, batch_size)
     share = batch_size // process_count
     if len(rows) != process_count or any(len(r) != share for r in rows.values()):
@@ -121,7 +124,6 @@ def load_train_data(
         d.source == "shards"
         and process_count > 1
         and sync
-        and d.batch_size % process_count == 0
         and _splits_over_processes(mesh, d.batch_size, process_count)
     )
     if not local:
