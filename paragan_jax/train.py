@@ -117,11 +117,15 @@ class Trainer:
         self.data = load_train_data(
             config, self.mesh, jax.process_index(), jax.process_count(), config.scheme == "sync"
         )
-        self.dataset = self.data.dataset
         self.batch_iterator_factory = batch_iterator_factory
         self.runner = None
         self._reference: Dataset | None = None  # the metrics' real examples, at the first eval
         self._classifier = None  # the metrics' feature classifier, loaded at the first eval
+
+    @property
+    def dataset(self) -> Dataset:
+        """The examples this process's loader reads (``self.data.dataset``)."""
+        return self.data.dataset
 
     def make_runner(self) -> SyncRunner | AsyncRunner:
         """A fresh runner of the config's scheme on the Trainer's mesh, fed this process's
