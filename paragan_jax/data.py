@@ -85,6 +85,11 @@ class Dataset:
     epoch_size: int | None = None  # examples served per epoch (None: all); see `batch_at`
 
     @property
+    def examples_per_epoch(self) -> int:
+        """Examples served per epoch: ``epoch_size``, or all of them."""
+        return len(self) if self.epoch_size is None else self.epoch_size
+
+    @property
     def is_mixture(self) -> bool:
         return self.modes is not None
 
@@ -348,14 +353,12 @@ def load_dataset(config: TrainConfig, process_index: int = 0, process_count: int
         ds = _shards(d.path, m.resolution, m.channels, (process_index, process_count))
     else:
         raise DataError(f"data.source={d.source!r} is not known")
-    per_epoch = len(ds) if ds.epoch_size is None else ds.epoch_size
-    if process_count > 1 and per_epoch < d.batch_size // process_count:
+    share = d.batch_size // process_count  # all of it with one process
+    if ds.examples_per_epoch < share:
         raise DataError(
-            f"{ds.name}: process {process_index} serves {per_epoch} samples an epoch, fewer than "
-            f"its share of data.batch_size={d.batch_size} ({d.batch_size // process_count})"
+            f"{ds.name}: process {process_index} serves {ds.examples_per_epoch} samples an epoch, "
+            f"fewer than its share of data.batch_size={d.batch_size} ({share})"
         )
-    if process_count == 1 and per_epoch < d.batch_size:
-        raise DataError(f"{ds.name}: {len(ds)} samples, fewer than data.batch_size={d.batch_size}")
     if m.num_classes and int(ds.labels.max()) >= m.num_classes:
         raise DataError(
             f"{ds.name}: labels go up to {int(ds.labels.max())}, but model.num_classes="
@@ -367,7 +370,7 @@ def load_dataset(config: TrainConfig, process_index: int = 0, process_count: int
 def batch_at(dataset: Dataset, batch_size: int, seed: int, index: int) -> Batch:
     """Batch number `index` of the deterministic shuffled stream (see the module docstring)."""
     n = len(dataset)
-    per_epoch = (n if dataset.epoch_size is None else dataset.epoch_size) // batch_size
+    per_epoch = dataset.examples_per_epoch // batch_size
     epoch, k = divmod(index, per_epoch)
     idx = epoch_order(n, seed, epoch)[k * batch_size : (k + 1) * batch_size]
     return {"image": dataset.images[idx], "label": dataset.labels[idx]}

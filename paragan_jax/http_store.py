@@ -368,30 +368,62 @@ class _RemoteSwitch:
 class ServerProcess:
     """An `ObjectServer` of `root` in a process of its own (started here; `close` it, or use
     it as a context manager). ``url``, ``congestion`` (restart, set_congestion, congested_now)
-    and ``counters`` reach the server in that process.
+    and ``counters`` reach the server in that process. Each exchange with that process waits
+    at most `timeout_s` seconds for its answer; past that the process is killed and the call
+    raises (so a stuck child cannot hang the caller).
 
     Raises:
       FileNotFoundError: `root` is not a directory.
+      RuntimeError: the process died or did not answer within `timeout_s` while starting (it is
+        killed and waited before this raises).
     """
 
     def __init__(
-        self, root: str | os.PathLike, model: CongestionModel | None = None, congested: bool = True
+        self,
+        root: str | os.PathLike,
+        model: CongestionModel | None = None,
+        congested: bool = True,
+        timeout_s: float = 60.0,
     ):
         if not Path(root).is_dir():
             raise FileNotFoundError(f"cannot serve {str(root)!r}: not a directory")
+        self.timeout_s = timeout_s
         # A fresh interpreter (not a fork: the caller has threads; not multiprocessing's spawn,
         # which re-imports the caller's main script), talking over a socket pair.
         mine, theirs = socket.socketpair()
         code = "import sys, paragan_jax.http_store as h; h.serve_child(int(sys.argv[1]))"
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", code, str(theirs.fileno())], pass_fds=(theirs.fileno(),)
-        )
-        theirs.close()
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", code, str(theirs.fileno())], pass_fds=(theirs.fileno(),)
+            )
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
         self._conn = Connection(mine.detach())
         self._lock = threading.Lock()
-        self._conn.send((str(Path(root).resolve()), model, congested))
         self.congestion = _RemoteSwitch(self._call)
-        self.url: str = self._call("url")
+        try:
+            try:
+                self._conn.send((str(Path(root).resolve()), model, congested))
+            except OSError as e:
+                raise self._gone(e) from e
+            self.url: str = self._call("url")
+        except BaseException:
+            self._kill()
+            raise
+
+    def _kill(self) -> None:
+        """Closes the connection, kills the process and waits for it."""
+        self._conn.close()
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.wait()
+
+    def _gone(self, e: BaseException) -> RuntimeError:
+        code = self._process.poll()
+        return RuntimeError(f"the object server process is gone (exit {code}): {e!r}")
 
     def _call(self, op: str, *args):
         with self._lock:
@@ -399,10 +431,15 @@ class ServerProcess:
                 raise RuntimeError("the server process is closed")
             try:
                 self._conn.send((op, *args))
+                if not self._conn.poll(self.timeout_s):
+                    self._kill()
+                    raise RuntimeError(
+                        f"the object server process did not answer {op!r} within "
+                        f"{self.timeout_s} s; killed it"
+                    )
                 ok, value = self._conn.recv()
             except (EOFError, OSError) as e:
-                code = self._process.poll()
-                raise RuntimeError(f"the object server process is gone (exit {code}): {e!r}") from e
+                raise self._gone(e) from e
         if not ok:
             raise RuntimeError(f"object server {op}: {value}")
         return value
@@ -418,7 +455,7 @@ class ServerProcess:
             try:
                 self._call("close")
             except RuntimeError:
-                pass  # the process is gone already
+                pass  # the process is gone already, or was killed for not answering
             self._conn.close()
         try:
             self._process.wait(timeout=10)

@@ -434,7 +434,7 @@ def trainer_batch_iterator_factory(
         storage: Storage = InMemoryStorage({"image": dataset.images, "label": dataset.labels})
         if wrap_storage is not None:
             storage = wrap_storage(storage)
-        size = len(storage) if dataset.epoch_size is None else dataset.epoch_size
+        size = dataset.examples_per_epoch
         per_epoch = size // batch_size
         if per_epoch < 1:
             raise ValueError(f"data set of {size} examples is smaller than one batch")

@@ -61,7 +61,11 @@ def serve_shards(
         examples_per_shard=examples_per_shard,
     )
     server = ServerProcess(directory, model, congested=False)
-    return server, ShardedStorage(server.url)
+    try:
+        return server, ShardedStorage(server.url)
+    except BaseException:
+        server.close()
+        raise
 
 
 def fixed_sweep(

@@ -87,7 +87,7 @@ def fit_and_predict(
                 key = f"{w}:{n}"
                 coll = res["collectives"].get(key, {"count": {}, "moved_bytes": {}})
                 hops, sent = compiled_collective_terms(coll["count"], coll["moved_bytes"], n, n)
-                compute = (fixed + flops[str(w)] / rate) * max(1.0, n * util / cores)
+                compute = _share_cores([fixed + flops[str(w)] / rate] * n, util, cores)[0]
                 jit = jit_rel * expected_max_normal(n) * compute
                 measured = float(stat(res["step_times"][key]))
                 terms[(w, n)] = (measured, compute, hops, sent, jit, coll)
@@ -162,9 +162,10 @@ def _share_cores(alone_s: list[float], util: float, cores: int) -> list[float]:
 
     A process alone takes ``alone_s`` seconds using ``util`` cores (``alone_s * util``
     core-seconds of work). Running processes share the cores equally, none taking more than
-    ``util``; when one finishes, the others get its cores. With equal work this is the sync
-    rows' ``alone * max(1, n * util / cores)``; in the async scheme the smaller group finishes
-    first and the larger one runs on the freed cores for the rest of its step.
+    ``util``; when one finishes, the others get its cores. The sync rows' processes do equal
+    work, so all finish together at ``alone * max(1, n * util / cores)``; in the async scheme
+    the smaller group finishes first and the larger one runs on the freed cores for the rest of
+    its step.
     """
     if util <= 0 or cores <= 0:
         raise ValueError(f"need util > 0 and cores > 0, got {util} and {cores}")

@@ -117,11 +117,15 @@ class Trainer:
         self.data = load_train_data(
             config, self.mesh, jax.process_index(), jax.process_count(), config.scheme == "sync"
         )
-        self.dataset = self.data.dataset
         self.batch_iterator_factory = batch_iterator_factory
         self.runner = None
         self._reference: Dataset | None = None  # the metrics' real examples, at the first eval
         self._classifier = None  # the metrics' feature classifier, loaded at the first eval
+
+    @property
+    def dataset(self) -> Dataset:
+        """The examples this process's loader reads (``self.data.dataset``)."""
+        return self.data.dataset
 
     def make_runner(self) -> SyncRunner | AsyncRunner:
         """A fresh runner of the config's scheme on the Trainer's mesh, fed this process's
@@ -148,6 +152,9 @@ class Trainer:
         return {
             "step": self.runner.step,
             "data_position": position,
+            # Global batch i depends on these with per-process reading (`TrainData.local`).
+            "process_count": jax.process_count(),
+            "local_data": self.data.local,
             "scheme": self.config.scheme,
             "config": config_to_dict(self.config),
         }
@@ -195,6 +202,23 @@ class Trainer:
         runner.load_checkpoint_tree(restored["state"])
         return restored
 
+    def _check_data_layout(self, meta: dict[str, Any], step: int) -> None:
+        """Warns if the checkpoint was written by a run whose data layout (process count,
+        per-process reading) differs from this one's: its data position then names other
+        batches (`paragan_jax.train_data`). Checkpoints from before these keys pass silently."""
+        saved = {k: meta[k] for k in ("process_count", "local_data") if k in meta}
+        now = {"process_count": jax.process_count(), "local_data": self.data.local}
+        if all(saved[k] == now[k] for k in saved):
+            return
+        msg = (
+            f"checkpoint step {step} was written with process_count={meta.get('process_count')}, "
+            f"local_data={meta.get('local_data')}; this run has process_count="
+            f"{now['process_count']}, local_data={now['local_data']}: resuming at its data "
+            "position, but the batches from there differ from those the saved run would have read"
+        )
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        log.warning(msg)
+
     def _train(self, workdir, steps, seconds, watch: PreemptionWatch) -> dict[str, Any]:
         cfg = self.config
         total = cfg.steps if steps is None else steps
@@ -211,6 +235,7 @@ class Trainer:
                 if restored is not None:
                     position = int(restored["meta"]["data_position"])
                     resumed = restored["step"]
+                    self._check_data_layout(restored["meta"], resumed)
                     log.info("resumed from step %d (data position %d)", resumed, position)
             if primary:
                 writer = SummaryWriter(str(workdir / "tb"))

@@ -14,10 +14,10 @@ batch size ``B / N``, the seed ``process_seed(data.seed, p, N)`` (a seed of its 
 processes' orders are not the same permutation of equally sized shards) and an epoch of
 ``epoch_size`` examples (the smallest process share, so every process has the same batches per
 epoch; the permutation changes every epoch, so no example is left out for good). Global batch
-``i`` is the processes' batches in the order of the data axis's rows (`global_batch_at` computes
-it in one process). It is a pure function of ``(data.seed, i, N)``, not of timing, and the data
-position in checkpoints (the next batch index, the same on every process) resumes it exactly. One
-process (``N = 1``) reads exactly what it always did: all shards, ``batch_at(seed, i)``.
+``i`` is the processes' batches in the order of the data axis's rows. It is a pure function of
+``(data.seed, i, N)``, not of timing, and the data position in checkpoints (the next batch index,
+the same on every process) resumes it exactly. One process (``N = 1``) reads exactly what it
+always did: all shards, ``batch_at(seed, i)``.
 
 Per-process reading needs the data axis to split the batch into equal, disjoint parts, one per
 process. Otherwise (a mesh whose batch rows are repeated across processes, or the async scheme,
@@ -42,12 +42,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import TrainConfig
-from .data import Batch, Dataset, batch_at, load_dataset
+from .data import Dataset, load_dataset
 from .shards import ShardedStorage
 
 __all__ = [
     "TrainData",
-    "global_batch_at",
     "load_train_data",
     "process_rows",
     "process_seed",
@@ -76,6 +75,9 @@ def process_rows(mesh: Mesh, batch_size: int) -> dict[int, np.ndarray]:
 
 
 def _splits_over_processes(mesh: Mesh, batch_size: int, process_count: int) -> bool:
+    """Whether each process holds its own ``batch_size // process_count`` rows and together they
+    hold every row (so `process_count` divides `batch_size`). The mesh's data axis must divide
+    `batch_size` (`paragan_jax.state.check_batch_divides`)."""
     rows = process_rows(mesh, batch_size)
     share = batch_size // process_count
     if len(rows) != process_count or any(len(r) != share for r in rows.values()):
@@ -122,7 +124,6 @@ def load_train_data(
         d.source == "shards"
         and process_count > 1
         and sync
-        and d.batch_size % process_count == 0
         and _splits_over_processes(mesh, d.batch_size, process_count)
     )
     if not local:
@@ -130,19 +131,6 @@ def load_train_data(
     dataset = load_dataset(config, process_index, process_count)
     seed = process_seed(d.seed, process_index, process_count)
     return TrainData(dataset, d.batch_size // process_count, seed, True)
-
-
-def global_batch_at(config: TrainConfig, process_count: int, index: int) -> Batch:
-    """Global batch `index` of a per-process shards run of `process_count` processes, computed
-    in one process (each process's part from its own shards, in process order: the rows of a
-    data axis laid out process by process, as ``jax.devices()`` orders them)."""
-    d = config.data
-    parts = []
-    for p in range(process_count):
-        dataset = load_dataset(config, p, process_count)
-        seed = process_seed(d.seed, p, process_count)
-        parts.append(batch_at(dataset, d.batch_size // process_count, seed, index))
-    return {k: np.concatenate([b[k] for b in parts]) for k in parts[0]}
 
 
 def reference_dataset(config: TrainConfig, dataset: Dataset) -> Dataset:

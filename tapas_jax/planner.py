@@ -248,6 +248,11 @@ def _nested(flat: Mapping[str, Any]) -> dict:
     return out
 
 
+def _folding(graph: Graph, fold: bool) -> Folding:
+    """The folding `lower` and `plan` use: repeated blocks folded, or none when not `fold`."""
+    return fold_repeated_blocks(graph) if fold else no_folding(graph)
+
+
 def lower(
     fn,
     params,
@@ -266,7 +271,7 @@ def lower(
     graph = build_graph(fn, params, *inputs) if graph is None else graph
     t0 = time.perf_counter()
     if folding is None:
-        folding = fold_repeated_blocks(graph) if fold else no_folding(graph)
+        folding = _folding(graph, fold)
     hw = get_profile(hardware)
     axes = {k: int(v) for k, v in dict(mesh.shape).items()}
     lowered = build_problem(
@@ -391,12 +396,11 @@ def plan(
     graph = build_graph(fn, params, *inputs)
     t0 = time.perf_counter()
     # Folded once: the FSDP retry below lowers the same graph again.
-    folding = fold_repeated_blocks(graph) if fold else no_folding(graph)
+    folding = _folding(graph, fold)
     fold_seconds = time.perf_counter() - t0
     common = dict(
         mesh=mesh,
         hardware=hw,
-        fold=fold,
         optimizer_state_factor=optimizer_state_factor,
         batch_axis=batch_axis,
         graph=graph,

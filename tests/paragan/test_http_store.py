@@ -114,3 +114,39 @@ def test_a_server_in_its_own_process_serves_and_is_driven_from_here(tmp_path):
         srv.congestion.congested_now()
     with pytest.raises(FileNotFoundError):
         ServerProcess(tmp_path / "absent")
+
+
+def _started(monkeypatch):
+    """Records the processes `ServerProcess` starts."""
+    import subprocess
+
+    started = []
+    real = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    return started
+
+
+def test_a_server_process_that_dies_while_starting_is_waited(tmp_path, monkeypatch):
+    started = _started(monkeypatch)
+    monkeypatch.setattr("sys.executable", "/bin/false")  # exits at once, never answers
+    with pytest.raises(RuntimeError, match="gone"):
+        ServerProcess(tmp_path)
+    assert len(started) == 1 and started[0].returncode == 1  # waited (reaped)
+
+
+def test_a_server_process_that_does_not_answer_is_killed(tmp_path, monkeypatch):
+    started = _started(monkeypatch)
+    stuck = tmp_path / "stuck"
+    stuck.write_text("#!/bin/sh\nexec sleep 60\n")
+    stuck.chmod(0o755)
+    monkeypatch.setattr("sys.executable", str(stuck))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not answer 'url' within 0.5 s"):
+        ServerProcess(tmp_path, timeout_s=0.5)
+    assert time.monotonic() - t0 < 10
+    assert len(started) == 1 and started[0].returncode is not None  # killed and waited

@@ -3,7 +3,9 @@ the one step loop."""
 
 import ast
 import dataclasses
+import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import jax
@@ -134,6 +136,42 @@ def test_trainer_resume_matches_uninterrupted(tmp_path):
     a, b = full.runner.state, resumed.runner.state
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _rewrite_meta(step_dir: Path, **changes) -> None:
+    """Changes the meta of a saved step (None drops a key) and its SHA-256 in the manifest."""
+    meta_file = step_dir / "meta" / "metadata"
+    meta = json.loads(meta_file.read_text())
+    for k, v in changes.items():
+        if v is None:
+            meta.pop(k)
+        else:
+            meta[k] = v
+    meta_file.write_text(json.dumps(meta))
+    manifest = step_dir / "sha256.json"
+    digests = json.loads(manifest.read_text())
+    digests["meta/metadata"] = hashlib.sha256(meta_file.read_bytes()).hexdigest()
+    manifest.write_text(json.dumps(digests))
+
+
+def test_resume_warns_when_the_data_layout_changed(tmp_path):
+    cfg = load_train_config("tiny", [*RING, "steps=2", "checkpoint.every=2"])
+    Trainer(cfg, str(tmp_path / "a"), progress=False).train()
+    meta = json.loads((tmp_path / "a" / "checkpoints" / "2" / "meta" / "metadata").read_text())
+    assert (meta["process_count"], meta["local_data"]) == (1, False)
+    _rewrite_meta(tmp_path / "a" / "checkpoints" / "2", process_count=2, local_data=True)
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"process_count=2, local_data=True; this run has process_count=1, local_data=False",
+    ):
+        summary = Trainer(cfg, str(tmp_path / "a"), progress=False).train(steps=3)
+    assert summary["resumed_from"] == 2 and summary["step"] == 3  # a warning, not an error
+    # A checkpoint from before these keys restores silently.
+    Trainer(cfg, str(tmp_path / "b"), progress=False).train()
+    _rewrite_meta(tmp_path / "b" / "checkpoints" / "2", process_count=None, local_data=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert Trainer(cfg, str(tmp_path / "b"), progress=False).train(steps=3)["step"] == 3
 
 
 def test_corrupted_latest_checkpoint_falls_back(tmp_path):
