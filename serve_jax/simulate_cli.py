@@ -223,6 +223,18 @@ CDF_POINTS = 2000
 """Points of a drawn TPOT CDF at most (see `plot_results`)."""
 
 
+def preemption_curve(r: SimulationResult) -> tuple[Any, Any]:
+    """(times, cumulative preemptions) of a run, drawn as a step line: from 0 through each
+    preemption to the run's end (its last finish, in the same absolute simulated time as
+    ``preemption_times``; ``makespan_s`` counts from the first arrival)."""
+    import numpy as np
+
+    pt = np.sort(r.preemption_times)
+    end = max(r.start_s + r.makespan_s, pt[-1] if len(pt) else 0.0)
+    times = np.concatenate([[0.0], pt, [end]])
+    return times, np.concatenate([np.arange(len(pt) + 1), [len(pt)]])
+
+
 def plot_results(results: list[SimulationResult], path: str | Path, title: str = "") -> None:
     """Writes a PNG: TPOT CDF per policy (left), cumulative preemptions over time (right).
 
@@ -238,14 +250,7 @@ def plot_results(results: list[SimulationResult], path: str | Path, title: str =
         if len(t):
             rank = np.unique(np.linspace(0, len(t) - 1, min(len(t), CDF_POINTS)).astype(int))
             ax1.plot(t[rank], (rank + 1) / len(t), label=r.policy)
-        pt = np.sort(r.preemption_times)
-        end = max(r.makespan_s, pt[-1] if len(pt) else 0.0)  # (the line runs to the run's end)
-        ax2.step(
-            np.concatenate([[0.0], pt, [end]]),
-            np.concatenate([np.arange(len(pt) + 1), [len(pt)]]),
-            where="post",
-            label=r.policy,
-        )
+        ax2.step(*preemption_curve(r), where="post", label=r.policy)
     ax1.set_xscale("log")
     ax1.set_xlabel("TPOT (ms)")
     ax1.set_ylabel("fraction of requests")
