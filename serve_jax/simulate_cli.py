@@ -47,13 +47,22 @@ from serve_jax.cli_args import (
     policy_names,
     workload_config,
 )
-from serve_jax.preemption import make_policy
+from serve_jax.preemption import POLICY_NAMES, make_policy
 from serve_jax.simulator import SimConfig, SimulationResult, simulate
 from serve_jax.workloads import WorkloadConfig, build_workload
 from tapas_jax.commands import command_parser, write_json
 from tapas_jax.config import load_config, preset_path
 
-__all__ = ["main", "build_parser", "load_sim_config", "plot_results", "best_baseline_ratios"]
+__all__ = [
+    "main",
+    "build_parser",
+    "load_sim_config",
+    "plot_results",
+    "preemption_curve",
+    "best_baseline_ratios",
+    "goals",
+    "BASELINES",
+]
 
 _FLAGS = {
     "model": (str, "served model preset (llama-7b, llama-13b, llama3-8b, tiny, small)"),
@@ -178,13 +187,20 @@ def _ratios(results: list[SimulationResult]) -> dict[str, float] | None:
     }
 
 
-def best_baseline_ratios(results: list[SimulationResult]) -> dict[str, Any] | None:
-    """``predictive`` against the best baseline of the run on each metric (the issue's goals:
-    preemptions and p99 TPOT reduction, throughput, goodput and p99 TTFT ratios), with the
-    baseline that was best; None unless ``predictive`` and a baseline ran."""
+BASELINES = tuple(n for n in POLICY_NAMES if not n.startswith("predictive"))
+"""The baselines ``predictive`` is judged against (`best_baseline_ratios`)."""
+
+
+def best_baseline_ratios(
+    results: list[SimulationResult], name: str = "predictive"
+) -> dict[str, Any] | None:
+    """The policy row ``name`` against the best baseline of the run on each metric (the issue's
+    goals: preemptions and p99 TPOT reduction, throughput, goodput and p99 TTFT ratios), with the
+    baseline that was best; None unless ``name`` and a baseline ran. Baselines are the other
+    rows, less ``predictive`` and its ablations."""
     rows = [r.row() for r in results]
-    pred = next((r for r in rows if r["policy"] == "predictive"), None)
-    base = [r for r in rows if not r["policy"].startswith("predictive")]
+    pred = next((r for r in rows if r["policy"] == name), None)
+    base = [r for r in rows if r["policy"] != name and not r["policy"].startswith("predictive")]
     if pred is None or not base:
         return None
 
@@ -205,6 +221,18 @@ def best_baseline_ratios(results: list[SimulationResult]) -> dict[str, Any] | No
         "goodput_best": b_good["policy"],
         "p99_ttft_ratio": _div(pred["p99_ttft_ms"], b_ttft["p99_ttft_ms"]),
         "p99_ttft_best": b_ttft["policy"],
+    }
+
+
+def goals(r: dict[str, Any]) -> dict[str, bool]:
+    """The issue's five goals for one ratio row of `best_baseline_ratios`: >= 5x fewer
+    preemptions, >= 2x lower p99 TPOT, throughput >= 0.99x, goodput >= 1x, p99 TTFT <= 1.1x."""
+    return {
+        "preemptions_5x": r["preemption_reduction_x"] >= 5,
+        "p99_tpot_2x": r["p99_tpot_reduction_x"] >= 2,
+        "throughput_0.99": r["throughput_ratio"] >= 0.99,
+        "goodput_1x": r["goodput_ratio"] >= 1.0,
+        "p99_ttft_1.1x": r["p99_ttft_ratio"] <= 1.1,
     }
 
 
