@@ -43,6 +43,7 @@ from tqdm import tqdm
 from serve_jax.cli_args import (
     add_policy_args,
     add_slo_args,
+    add_tqdm_flag,
     add_workload_args,
     policy_names,
     workload_config,
@@ -101,7 +102,7 @@ def build_parser(prog: str = "simulate") -> argparse.ArgumentParser:
     add_policy_args(p)
     add_slo_args(p, None, None)
     p.add_argument("--json", default=None, help="write the rows here (and a PNG next to it)")
-    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    add_tqdm_flag(p)
     p.add_argument("--png", default=None, help="PNG path (default: the JSON path with .png)")
     return p
 
