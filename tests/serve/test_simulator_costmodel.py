@@ -150,6 +150,12 @@ def test_one_token_weight_reads_and_the_attention_loop_cost_are_off_by_default()
         extra = loop.decode_seconds(batch, ctx) - base.decode_seconds(batch, ctx)
         assert extra == pytest.approx(chunks * 1e-5, rel=1e-9)
     assert loop.work((), 1, 127).attention_chunks == 32 * 4
+    mixed = ([(512, 1000), (100, 0)], 8, 8000)  # 48 + 32 iterations a layer (see above)
+    extra = loop.step_seconds(*mixed) - base.step_seconds(*mixed)
+    assert extra == pytest.approx(32 * (48 + 32) * 1e-5, rel=1e-9)
+    assert loop.prefill_seconds(512, 1000) - base.prefill_seconds(512, 1000) == pytest.approx(
+        32 * 48 * 1e-5, rel=1e-9
+    )
     with pytest.raises(ValueError, match="gemv_efficiency"):
         RooflineCostModel.create(m, "h100", gemv_efficiency=1.5)
     with pytest.raises(ValueError, match="attention_chunk_s"):
