@@ -22,11 +22,10 @@ from pathlib import Path
 
 from serve_jax.interface import Request
 from serve_jax.preemption import PredictivePolicy, _PredState, get_policy
-from serve_jax.simulate_cli import best_baseline_ratios
+from serve_jax.simulate_cli import BASELINES, best_baseline_ratios, goals
 from serve_jax.simulator import SimConfig, simulate
 from serve_jax.workloads import WorkloadConfig, build_workload
 
-BASELINES = ("fcfs_last", "fcfs_last_offload", "fewest_output", "least_computed")
 RESERVES = (1.0, 0.5, 0.25, 0.1, 0.03)
 # name: (workload, duration s, KV GB, seed) as in BENCHMARKS' issue-13 tables
 TABLES = {
@@ -36,13 +35,6 @@ TABLES = {
     "agentic_8": ("agentic", 1200.0, 8.0, 0),
     "conv_8": ("azure-conv", 600.0, 8.0, 0),
     "code_8": ("azure-code", 600.0, 8.0, 0),
-}
-GOALS = {
-    "preemptions_5x": lambda r: r["preemption_reduction_x"] >= 5,
-    "p99_tpot_2x": lambda r: r["p99_tpot_reduction_x"] >= 2,
-    "throughput_0.99": lambda r: r["throughput_ratio"] >= 0.99,
-    "goodput_1x": lambda r: r["goodput_ratio"] >= 1.0,
-    "p99_ttft_1.1x": lambda r: r["p99_ttft_ratio"] <= 1.1,
 }
 
 
@@ -87,15 +79,14 @@ def main() -> None:
         variants = {f"oracle_reserve{f:g}": OraclePolicy(lens, reserve=f) for f in RESERVES}
         variants["oracle_cheap100"] = OraclePolicy(lens, cheap_preemption_steps=100.0)
         variants["oracle_nogate"] = OraclePolicy(lens, gate=False)
-        rows = {r.row()["policy"]: r.row() for r in base}
-        out[name] = {"baselines": rows, "oracle": {}}
+        out[name] = {"baselines": {r.policy: r.row() for r in base}, "oracle": {}}
         for label, pol in variants.items():
-            pol.name = "predictive"  # best_baseline_ratios compares the row named so
+            pol.name = label  # its row's policy, the one best_baseline_ratios compares
             res = simulate(wl, pol, cfg)
-            ratios = best_baseline_ratios([*base, res])
-            missed = [g for g, ok in GOALS.items() if not ok(ratios)]
-            out[name]["oracle"][label] = {"row": res.row(), "ratios": ratios, "missed": missed}
+            ratios = best_baseline_ratios([*base, res], label)
+            missed = [g for g, ok in goals(ratios).items() if not ok]
             row = res.row()
+            out[name]["oracle"][label] = {"row": row, "ratios": ratios, "missed": missed}
             print(
                 f"{name:18} {label:16} preempt {row['preemptions']:5d} "
                 f"(best {ratios['preemption_reduction_x']:.3g}x) p99 TPOT /"

@@ -26,25 +26,13 @@ import math
 from pathlib import Path
 
 from serve_jax.preemption import get_policy
-from serve_jax.simulate_cli import best_baseline_ratios
+from serve_jax.simulate_cli import BASELINES, best_baseline_ratios, goals
 from serve_jax.simulator import SimConfig, simulate
 from serve_jax.workloads import WorkloadConfig, build_workload
 
-BASELINES = ("fcfs_last", "fcfs_last_offload", "fewest_output", "least_computed")
 GATE_QUANTILES = (0.3, 0.5, 0.7, 0.9)
 CHEAP_PREEMPTION_STEPS = (0.0, 10.0, 100.0)
 MEMORY_GB = (8.0, 16.0)
-
-
-def goals(r: dict) -> dict[str, bool]:
-    """The issue's five goals for one ratio row of `best_baseline_ratios`."""
-    return {
-        "preemptions_5x": r["preemption_reduction_x"] >= 5,
-        "p99_tpot_2x": r["p99_tpot_reduction_x"] >= 2,
-        "throughput_0.99": r["throughput_ratio"] >= 0.99,
-        "goodput_1x": r["goodput_ratio"] >= 1.0,
-        "p99_ttft_1.1x": r["p99_ttft_ratio"] <= 1.1,
-    }
 
 
 def _gmean(xs: list[float]) -> float:

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from serve_jax import loadgen
-from serve_jax.cli_args import add_slo_args, add_workload_args, workload_config
+from serve_jax.cli_args import add_slo_args, add_tqdm_flag, add_workload_args, workload_config
 from serve_jax.config import EngineConfig, load_engine_config
 from serve_jax.engine import Engine
 from serve_jax.metrics import (
@@ -103,7 +103,7 @@ def _replay(argv: list[str]) -> int:
     add_workload_args(p, _TRACE_DEFAULTS)
     add_slo_args(p, 2000.0, 200.0)
     p.add_argument("--json", default=None, help="write the summary here")
-    _add_tqdm_flag(p)
+    add_tqdm_flag(p)
     args = p.parse_args(argv)
     cfg = _engine_config(args)
     engine = Engine(cfg)
@@ -200,7 +200,7 @@ def _bench(argv: list[str]) -> int:
         help="write the result here: the flat JSON of vllm bench serve --save-result "
         "--save-detailed (for --micro: that benchmark's result)",
     )
-    _add_tqdm_flag(p)
+    add_tqdm_flag(p)
     args = p.parse_args(argv)
     if args.micro:
         if args.micro == "generate":
@@ -339,10 +339,6 @@ def _bench(argv: list[str]) -> int:
     print(format_bench_table(result, metrics))
     write_json(args.json, result)
     return 0
-
-
-def _add_tqdm_flag(p) -> None:
-    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def _scrape_preemptions(url: str) -> float:

@@ -21,6 +21,7 @@ __all__ = [
     "add_policy_args",
     "policy_names",
     "add_slo_args",
+    "add_tqdm_flag",
 ]
 
 
@@ -141,3 +142,8 @@ def add_slo_args(p: argparse.ArgumentParser, ttft_ms: float | None, tpot_ms: flo
     p.add_argument(
         "--slo-tpot-ms", type=float, default=tpot_ms, help=f"TPOT objective, ms (default {tpot_ms})"
     )
+
+
+def add_tqdm_flag(p: argparse.ArgumentParser) -> None:
+    """``--disable-tqdm``: no progress bar (vLLM's flag)."""
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")

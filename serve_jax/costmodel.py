@@ -211,6 +211,7 @@ class RooflineCostModel:
             "_gemv_rate": hw.hbm_bandwidth * (self.gemv_efficiency or self.hbm_efficiency),
             "_one_rate": self.kv_efficiency is None and self.gemv_efficiency is None,
             "_layers": float(m.n_layers),
+            "_count_loops": self.attention_chunk_s != 0,  # else they cost nothing: skip them
         }
         for k, v in consts.items():
             object.__setattr__(self, k, v)
@@ -246,14 +247,24 @@ class RooflineCostModel:
         Raises:
           ValueError: negative work.
         """
+        # tuple.__new__: a NamedTuple's own __new__ is a Python call.
+        return _new_tuple(StepWork, self._count(chunks, decode_batch, decode_context, True))
+
+    def _count(
+        self, chunks: Iterable[tuple[int, int]], decode_batch: int, decode_context: int, loops: bool
+    ) -> tuple[float, float, float, float, float]:
+        """`work`'s counts as a plain tuple (no `StepWork` to build: the simulator prices every
+        step through here); the attention-loop iterations are counted only when ``loops``
+        (else 0: `step_seconds` skips them when an iteration costs nothing)."""
         size = self.attention_chunk_tokens
         new, pairs, read = float(decode_batch), float(decode_context), float(decode_context)
-        loops = 0
+        n_loops = 0
         if decode_batch:
             if decode_batch < 0 or decode_context < 0:
                 raise ValueError(f"bad decode batch ({decode_batch}, {decode_context})")
-            longest = -(-decode_context // decode_batch)
-            loops = -(-(longest + 1) // size)
+            if loops:
+                longest = -(-decode_context // decode_batch)
+                n_loops = -(-(longest + 1) // size)
         if chunks:
             longest = 0  # tokens of the longest prefill sequence, cached plus new
             for n, c in chunks:
@@ -264,22 +275,19 @@ class RooflineCostModel:
                 read += c
                 if n + c > longest:
                     longest = n + c
-            loops += -(-longest // size)
-        # tuple.__new__: a NamedTuple's own __new__ is a Python call (the simulator prices
-        # every step through here).
-        return _new_tuple(
-            StepWork,
-            (
-                new,
-                self._flops_per_token * new + self._flops_per_pair * pairs,
-                self._weight_bytes,
-                self._kv_bytes * (read + new),
-                self._layers * loops,
-            ),
+            if loops:
+                n_loops += -(-longest // size)
+        return (
+            new,
+            self._flops_per_token * new + self._flops_per_pair * pairs,
+            self._weight_bytes,
+            self._kv_bytes * (read + new),
+            self._layers * n_loops,
         )
 
-    def seconds(self, work: StepWork) -> float:
-        """Time of one step that does ``work`` (`work`): 0 when there are no new tokens."""
+    def seconds(self, work: StepWork | tuple[float, ...]) -> float:
+        """Time of one step that does ``work`` (`work`, or `_count`'s tuple of the same
+        fields): 0 when there are no new tokens."""
         new, flops, weights, kv, loops = work
         if new == 0:
             return 0.0
@@ -297,13 +305,13 @@ class RooflineCostModel:
         """Time to prefill ``num_tokens`` new tokens after ``cached_tokens`` already in cache."""
         if num_tokens <= 0:
             return 0.0
-        return self.seconds(self.work(((num_tokens, cached_tokens),)))
+        return self.seconds(self._count(((num_tokens, cached_tokens),), 0, 0, self._count_loops))
 
     def decode_seconds(self, batch: int, context_tokens: int) -> float:
         """Time of one decode step of ``batch`` sequences holding ``context_tokens`` in total."""
         if batch <= 0:
             return 0.0
-        return self.seconds(self.work((), batch, context_tokens))
+        return self.seconds(self._count((), batch, context_tokens, self._count_loops))
 
     def transfer_seconds(self, num_blocks: int) -> float:
         """Time to copy ``num_blocks`` KV blocks one way over the host link."""
@@ -322,7 +330,7 @@ class RooflineCostModel:
     ) -> float:
         """Time of one mixed step: prefill chunks plus a decode batch in one forward pass (the
         arguments are `work`'s)."""
-        return self.seconds(self.work(chunks, decode_batch, decode_context))
+        return self.seconds(self._count(chunks, decode_batch, decode_context, self._count_loops))
 
     def kv_capacity_blocks(
         self, kv_memory_gb: float | None = None, memory_utilization: float = 0.9

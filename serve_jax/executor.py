@@ -291,10 +291,9 @@ class JaxExecutor:
             ctr[i] = c.num_output_tokens
         return tokens, positions, valid, table_arr, last, temp, top_p, seed, ctr
 
-    def _dispatch(self, chunks, tables):
-        """Runs one padded batch; returns its sampled tokens and logprobs (None unless the
-        batch took the full sampler) on device."""
-        rows = [_sequence(c) for c in chunks]
+    def _dispatch(self, chunks, rows, tables):
+        """Runs one padded batch (``rows``: each chunk's `_sequence`); returns its sampled
+        tokens and logprobs (None unless the batch took the full sampler) on device."""
         arrays = list(self._arrays(chunks, rows, tables))
         if not any(r is not None and r.params.needs_full_sampler for r in rows):
             args = jax.device_put(arrays, self._replicated)
@@ -372,7 +371,8 @@ class JaxExecutor:
         groups = [so.prefills[i : i + rows] for i in range(0, len(so.prefills), rows)]
         for group in [*groups, so.decodes]:
             if group:
-                pending.append((group, self._dispatch(group, so.block_tables)))
+                seqs = [_sequence(c) for c in group]
+                pending.append((group, seqs, self._dispatch(group, seqs, so.block_tables)))
         completed = self.host.complete() if self.host is not None else []
         if so.offloads:
             if self.host is None:
@@ -380,14 +380,12 @@ class JaxExecutor:
             self.host.offload(self.k_pool, self.v_pool, so.offloads)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
-        for group, (toks, lps) in pending:
+        for group, seqs, (toks, lps) in pending:
             toks = np.asarray(toks)
             wanted = [
                 (i, c, seq.params.logprobs)
-                for i, c in enumerate(group)
-                if c.sample
-                and (seq := _sequence(c)) is not None
-                and seq.params.logprobs is not None
+                for i, (c, seq) in enumerate(zip(group, seqs, strict=True))
+                if c.sample and seq is not None and seq.params.logprobs is not None
             ]
             if wanted:
                 token_lp, top_ids, top_lp = jax.device_get(lps)

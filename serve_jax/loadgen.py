@@ -459,8 +459,9 @@ def offload_overlap_benchmark(
     * ``serial``: each step waits for its own copy before the next starts (compute + copy: the
       cost of a copy that nothing hides).
 
-    Returns the 10% figures at the top level (the keys ``bench --micro offload`` prints) and
-    every fraction under ``fractions``.
+    Returns the setup (preset, batch, context, pages in use, run length, host memory kind,
+    backend) and one row per fraction under ``fractions``, in the order given (the rows
+    ``bench --micro offload`` prints).
     """
 
     cfg = get_model_config(preset, max_seq_len=context + steps + 8)
@@ -487,7 +488,6 @@ def offload_overlap_benchmark(
         )
         for fraction in fractions
     ]
-    head = rows[0]
     return {
         "preset": preset,
         "batch": batch,
@@ -495,11 +495,6 @@ def offload_overlap_benchmark(
         "pages_in_use": used,
         "run_length": run_length,
         "host_memory_kind": host.memory_kind,
-        "pages_offloaded_per_step": head["pages_offloaded_per_step"],
-        "offload_bytes_per_step": head["offload_bytes_per_step"],
-        "no_offload_step_ms": head["plain_step_ms"],
-        "offload_step_ms": head["offload_step_ms"],
-        "offload_over_none": head["offload_over_plain"],
         "fractions": rows,
         "backend": jax.default_backend(),
     }

@@ -160,11 +160,6 @@ class SampleState:
     sent_text: int = 0
     sent_tokens: int = 0
 
-    @property
-    def text(self) -> str:
-        """Decoded output text (cut at a stop string once one is found)."""
-        return self.text_from(0)
-
     def text_from(self, start: int) -> str:
         """The text from character ``start`` on, joined from the last pieces only."""
         need, taken = self.text_length - start, []

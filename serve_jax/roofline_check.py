@@ -274,7 +274,7 @@ def fit_efficiencies(
     profile: HardwareProfile,
     overhead_s: float,
     samples: list[tuple[StepShape, float]],
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     """The cost model's efficiencies and attention-loop cost fitted to measured step times,
     with no overlap.
 
@@ -282,9 +282,10 @@ def fit_efficiencies(
     e_k) + C * a``, where the weights ``W`` count at ``e_w`` in a step of several tokens and at
     ``e_gemv`` in a step of one, and ``C`` is the step's attention-loop iterations: linear in
     ``1 / e`` and ``a``, fitted by least squares on the relative error. A term no sample
-    exercises (no one-token step, or an attention-loop cost fitted below zero) is left out of
-    the fit and keeps the cost model's default (``gemv_efficiency`` None, ``attention_chunk_s``
-    0).
+    exercises (no one-token step, no step of several tokens, or an attention-loop cost fitted
+    below zero) is left out of the fit: ``gemv_efficiency`` and ``hbm_efficiency`` are None
+    (the cost model's default: ``gemv_efficiency`` None reads at ``hbm_efficiency``), and
+    ``attention_chunk_s`` is 0.
 
     Args:
       model: the model the steps ran.
@@ -294,7 +295,8 @@ def fit_efficiencies(
 
     Returns:
       ``flops_efficiency``, ``hbm_efficiency``, ``kv_efficiency`` and ``gemv_efficiency``, each
-      clipped to (0, 1] (``gemv_efficiency`` None when left out), and ``attention_chunk_s``.
+      clipped to (0, 1] (``hbm_efficiency`` and ``gemv_efficiency`` None when left out), and
+      ``attention_chunk_s``.
 
     Raises:
       ValueError: fewer samples than terms.
@@ -317,7 +319,7 @@ def fit_efficiencies(
         )
     a = np.array(rows).reshape(len(samples), len(_FITTED))
     y = np.array([max(t - overhead_s, 1e-9) for _, t in samples])
-    terms = [0, 1, 2] + [j for j in (3, 4) if a[:, j].any()]
+    terms = [j for j in range(len(_FITTED)) if j in (0, 2) or a[:, j].any()]
     while True:
         if len(samples) < len(terms):
             raise ValueError(
@@ -328,12 +330,10 @@ def fit_efficiencies(
             break
         terms.remove(4)
     fitted = dict(zip([_FITTED[j] for j in terms], map(float, x)))
-    out: dict[str, float] = {
-        name: float(np.clip(1.0 / max(fitted[name], 1e-6), 1e-3, 1.0))
+    out: dict[str, float | None] = {
+        name: float(np.clip(1.0 / max(fitted[name], 1e-6), 1e-3, 1.0)) if name in fitted else None
         for name in _FITTED[:4]
-        if name in fitted
     }
-    out.setdefault("gemv_efficiency", None)
     out["attention_chunk_s"] = fitted.get("attention_chunk_s", 0.0)
     return out
 
@@ -372,7 +372,8 @@ def check_shapes(
     roofline = RooflineCostModel(
         model_cfg, profile, flops_efficiency=1.0, hbm_efficiency=1.0, **common
     )
-    fitted = RooflineCostModel(model_cfg, profile, overlap=False, **eff, **common)
+    given = {k: v for k, v in eff.items() if v is not None}  # (None: the cost model's default)
+    fitted = RooflineCostModel(model_cfg, profile, overlap=False, **given, **common)
     rows = []
     for s in shapes:
         t = measured[s]

@@ -43,17 +43,27 @@ from tqdm import tqdm
 from serve_jax.cli_args import (
     add_policy_args,
     add_slo_args,
+    add_tqdm_flag,
     add_workload_args,
     policy_names,
     workload_config,
 )
-from serve_jax.preemption import make_policy
+from serve_jax.preemption import POLICY_NAMES, make_policy
 from serve_jax.simulator import SimConfig, SimulationResult, simulate
 from serve_jax.workloads import WorkloadConfig, build_workload
 from tapas_jax.commands import command_parser, write_json
 from tapas_jax.config import load_config, preset_path
 
-__all__ = ["main", "build_parser", "load_sim_config", "plot_results", "best_baseline_ratios"]
+__all__ = [
+    "main",
+    "build_parser",
+    "load_sim_config",
+    "plot_results",
+    "preemption_curve",
+    "best_baseline_ratios",
+    "goals",
+    "BASELINES",
+]
 
 _FLAGS = {
     "model": (str, "served model preset (llama-7b, llama-13b, llama3-8b, tiny, small)"),
@@ -92,7 +102,7 @@ def build_parser(prog: str = "simulate") -> argparse.ArgumentParser:
     add_policy_args(p)
     add_slo_args(p, None, None)
     p.add_argument("--json", default=None, help="write the rows here (and a PNG next to it)")
-    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    add_tqdm_flag(p)
     p.add_argument("--png", default=None, help="PNG path (default: the JSON path with .png)")
     return p
 
@@ -178,13 +188,20 @@ def _ratios(results: list[SimulationResult]) -> dict[str, float] | None:
     }
 
 
-def best_baseline_ratios(results: list[SimulationResult]) -> dict[str, Any] | None:
-    """``predictive`` against the best baseline of the run on each metric (the issue's goals:
-    preemptions and p99 TPOT reduction, throughput, goodput and p99 TTFT ratios), with the
-    baseline that was best; None unless ``predictive`` and a baseline ran."""
+BASELINES = tuple(n for n in POLICY_NAMES if not n.startswith("predictive"))
+"""The baselines ``predictive`` is judged against (`best_baseline_ratios`)."""
+
+
+def best_baseline_ratios(
+    results: list[SimulationResult], name: str = "predictive"
+) -> dict[str, Any] | None:
+    """The policy row ``name`` against the best baseline of the run on each metric (the issue's
+    goals: preemptions and p99 TPOT reduction, throughput, goodput and p99 TTFT ratios), with the
+    baseline that was best; None unless ``name`` and a baseline ran. Baselines are the other
+    rows, less ``predictive`` and its ablations."""
     rows = [r.row() for r in results]
-    pred = next((r for r in rows if r["policy"] == "predictive"), None)
-    base = [r for r in rows if not r["policy"].startswith("predictive")]
+    pred = next((r for r in rows if r["policy"] == name), None)
+    base = [r for r in rows if r["policy"] != name and not r["policy"].startswith("predictive")]
     if pred is None or not base:
         return None
 
@@ -208,6 +225,18 @@ def best_baseline_ratios(results: list[SimulationResult]) -> dict[str, Any] | No
     }
 
 
+def goals(r: dict[str, Any]) -> dict[str, bool]:
+    """The issue's five goals for one ratio row of `best_baseline_ratios`: >= 5x fewer
+    preemptions, >= 2x lower p99 TPOT, throughput >= 0.99x, goodput >= 1x, p99 TTFT <= 1.1x."""
+    return {
+        "preemptions_5x": r["preemption_reduction_x"] >= 5,
+        "p99_tpot_2x": r["p99_tpot_reduction_x"] >= 2,
+        "throughput_0.99": r["throughput_ratio"] >= 0.99,
+        "goodput_1x": r["goodput_ratio"] >= 1.0,
+        "p99_ttft_1.1x": r["p99_ttft_ratio"] <= 1.1,
+    }
+
+
 def _with_seconds(row: dict[str, Any]) -> dict[str, Any]:
     """The row with ``p99_tpot_s`` and ``p99_ttft_s`` after their ms keys: the keys issue 13
     names for these rows (and the JSON had before latencies moved to ms)."""
@@ -221,6 +250,18 @@ def _with_seconds(row: dict[str, Any]) -> dict[str, Any]:
 
 CDF_POINTS = 2000
 """Points of a drawn TPOT CDF at most (see `plot_results`)."""
+
+
+def preemption_curve(r: SimulationResult) -> tuple[Any, Any]:
+    """(times, cumulative preemptions) of a run, drawn as a step line: from 0 through each
+    preemption to the run's end (its last finish, in the same absolute simulated time as
+    ``preemption_times``; ``makespan_s`` counts from the first arrival)."""
+    import numpy as np
+
+    pt = np.sort(r.preemption_times)
+    end = max(r.start_s + r.makespan_s, pt[-1] if len(pt) else 0.0)
+    times = np.concatenate([[0.0], pt, [end]])
+    return times, np.concatenate([np.arange(len(pt) + 1), [len(pt)]])
 
 
 def plot_results(results: list[SimulationResult], path: str | Path, title: str = "") -> None:
@@ -238,14 +279,7 @@ def plot_results(results: list[SimulationResult], path: str | Path, title: str =
         if len(t):
             rank = np.unique(np.linspace(0, len(t) - 1, min(len(t), CDF_POINTS)).astype(int))
             ax1.plot(t[rank], (rank + 1) / len(t), label=r.policy)
-        pt = np.sort(r.preemption_times)
-        end = max(r.makespan_s, pt[-1] if len(pt) else 0.0)  # (the line runs to the run's end)
-        ax2.step(
-            np.concatenate([[0.0], pt, [end]]),
-            np.concatenate([np.arange(len(pt) + 1), [len(pt)]]),
-            where="post",
-            label=r.policy,
-        )
+        ax2.step(*preemption_curve(r), where="post", label=r.policy)
     ax1.set_xscale("log")
     ax1.set_xlabel("TPOT (ms)")
     ax1.set_ylabel("fraction of requests")

@@ -171,6 +171,9 @@ class SimulationResult:
     with prefix caching off, where nothing is looked up)."""
     decode_run_steps: int = 0
     """Steps applied in runs of quiet decodes (`serve_jax.sim_runs`; not a result, a speed)."""
+    start_s: float = 0.0
+    """Simulated time of the first arrival: ``makespan_s`` counts from here, while
+    ``preemption_times`` are absolute (the run ends at ``start_s + makespan_s``)."""
 
     @property
     def throughput_tok_s(self) -> float:
@@ -467,6 +470,7 @@ def _result(pol, workload, feeder, sched, config: SimConfig, tally: SimMetrics) 
         bytes_offloaded=tally.bytes_off,
         bytes_restored=tally.bytes_res,
         makespan_s=makespan,
+        start_s=t0,
         output_tokens=sum(r.num_output_tokens for r in completed),
         steps=tally.steps,
         wall_seconds=tally.wall,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from serve_jax.simulate_cli import build_parser, load_sim_config, main
+from serve_jax.simulate_cli import build_parser, load_sim_config, main, preemption_curve
 from serve_jax.simulator import SimConfig, simulate
 from serve_jax.workloads import RequestSpec, Workload
 
@@ -74,3 +74,16 @@ def test_simulated_server_prices_the_model_it_is_given():
     big = simulate(wl, "fcfs_last", SimConfig(model="llama-7b", kv_memory_gb=0.1))
     assert tiny.completed == big.completed == 8
     assert tiny.makespan_s < big.makespan_s  # 100k parameters stream faster than 7B
+
+
+def test_preemption_line_runs_to_the_end_of_a_run_that_starts_late():
+    """``makespan_s`` counts from the first arrival, preemption times are absolute: a workload
+    whose first request arrives at 50 s still gets a line to its last finish."""
+    wl = Workload("late", tuple(RequestSpec(f"r{i}", 50.0 + 0.01 * i, 200, 300) for i in range(16)))
+    r = simulate(wl, "fcfs_last", SimConfig(kv_memory_gb=0.5))
+    assert r.completed == 16 and r.preemptions > 0
+    assert r.start_s == 50.0
+    times, counts = preemption_curve(r)
+    assert times[-1] == pytest.approx(r.start_s + r.makespan_s)
+    assert times[-1] > max(r.preemption_times) > 50.0 > r.makespan_s
+    assert counts[-1] == r.preemptions

@@ -97,7 +97,7 @@ def test_kv_traffic_efficiency_and_no_overlap():
 
 def test_work_counts_a_mixed_step_and_both_sides_price_it():
     """`work` counts FLOPs, weight and KV bytes and attention-loop iterations of a step;
-    `step_seconds` is `seconds` of it, so the simulator and the CPU check price the same work."""
+    `step_seconds`, `prefill_seconds` and `decode_seconds` charge the roofline of those counts."""
     m = get_model_config("llama-7b")
     c = RooflineCostModel.create(m, "h100")
     w = c.work([(512, 1000), (100, 0)], 8, 8000)
@@ -110,9 +110,21 @@ def test_work_counts_a_mixed_step_and_both_sides_price_it():
     # Per layer: the longest prefill (1512 tokens) and the decodes (1000 + 1 each), 32 a chunk.
     assert w.attention_chunks == 32 * (48 + 32)
     assert c.work((), 3, 3 * 3000).attention_chunks == 32 * 94
-    assert c.step_seconds([(512, 1000), (100, 0)], 8, 8000) == c.seconds(w)
-    assert c.prefill_seconds(512, 1000) == c.seconds(c.work([(512, 1000)]))
-    assert c.decode_seconds(8, 8000) == c.seconds(c.work((), 8, 8000))
+    # Every pricing method charges the roofline of those counts (defaults: 60% of peak FLOP/s,
+    # 80% of HBM bandwidth for weights and KV alike, the larger time, plus 1 ms a step).
+    hw, kv, mp = get_profile("h100"), m.kv_bytes_per_token(), matmul_params(m)
+
+    def roof(flops: float, hbm_bytes: float) -> float:
+        return max(flops / (hw.peak_flops * 0.6), hbm_bytes / (hw.hbm_bandwidth * 0.8)) + 1e-3
+
+    per_pair = 4 * 32 * 128 * 32
+    mixed = roof(2 * mp * new + per_pair * pairs, weight_bytes(m) + kv * (8000 + 1000 + new))
+    assert c.step_seconds([(512, 1000), (100, 0)], 8, 8000) == pytest.approx(mixed, rel=1e-9)
+    prefill = roof(2 * mp * 512 + per_pair * (512 * 1000 + 512 * 513 / 2),
+                   weight_bytes(m) + kv * (1000 + 512))  # fmt: skip
+    assert c.prefill_seconds(512, 1000) == pytest.approx(prefill, rel=1e-9)
+    decode = roof(2 * mp * 8 + per_pair * 8000, weight_bytes(m) + kv * (8000 + 8))
+    assert c.decode_seconds(8, 8000) == pytest.approx(decode, rel=1e-9)
     assert c.seconds(c.work()) == 0.0
     with pytest.raises(ValueError, match="bad prefill chunk"):
         c.work([(4, -1)])
@@ -138,6 +150,12 @@ def test_one_token_weight_reads_and_the_attention_loop_cost_are_off_by_default()
         extra = loop.decode_seconds(batch, ctx) - base.decode_seconds(batch, ctx)
         assert extra == pytest.approx(chunks * 1e-5, rel=1e-9)
     assert loop.work((), 1, 127).attention_chunks == 32 * 4
+    mixed = ([(512, 1000), (100, 0)], 8, 8000)  # 48 + 32 iterations a layer (see above)
+    extra = loop.step_seconds(*mixed) - base.step_seconds(*mixed)
+    assert extra == pytest.approx(32 * (48 + 32) * 1e-5, rel=1e-9)
+    assert loop.prefill_seconds(512, 1000) - base.prefill_seconds(512, 1000) == pytest.approx(
+        32 * 48 * 1e-5, rel=1e-9
+    )
     with pytest.raises(ValueError, match="gemv_efficiency"):
         RooflineCostModel.create(m, "h100", gemv_efficiency=1.5)
     with pytest.raises(ValueError, match="attention_chunk_s"):
